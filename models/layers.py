@@ -1,0 +1,59 @@
+"""Building blocks shared by the ViT/DeiT and Swin model files."""
+import torch
+from torch import nn
+
+
+class PatchEmbed(nn.Module):
+    """Image to a grid of patch tokens, [B, 3, H, W] -> [B, H/p, W/p, D].
+
+    A conv with kernel = stride = patch size is a linear projection of each non-overlapping patch.
+    """
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int, norm: bool = False):
+        super().__init__()
+        if img_size % patch_size:
+            raise ValueError(f"image size {img_size} is not a multiple of the patch size {patch_size}")
+        self.grid_size = (img_size // patch_size, img_size // patch_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.norm = nn.LayerNorm(embed_dim) if norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x).permute(0, 2, 3, 1))
+
+
+class Mlp(nn.Module):
+    """Transformer feed-forward: Linear -> GELU -> Linear."""
+
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop a sample's whole residual branch with probability p while training."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.p
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        return x * mask / keep
+
+
+def init_weights(module: nn.Module) -> None:
+    """timm's default ViT/Swin init: truncated normal (std 0.02) linear weights, zero biases."""
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)

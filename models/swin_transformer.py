@@ -1,0 +1,265 @@
+"""Swin Transformer: "Hierarchical Vision Transformer using Shifted Windows", Liu et al. 2021,
+https://arxiv.org/abs/2103.14030
+
+Tokens live on a 2-D grid ([B, H, W, C], channels last). Each block attends only inside non-overlapping
+M x M windows, with a learned relative position bias added to the attention scores; every second block
+shifts the windows by M/2 with a cyclic roll and masks attention between tokens that the roll brought
+together from opposite edges. Between stages, patch merging concatenates each 2 x 2 neighbourhood (4C)
+and projects it to 2C, halving the grid. The classifier averages the last stage's tokens.
+
+Parameter names and shapes are timm's (`layers.N.downsample` at the start of a stage, `head.fc`);
+`checkpoint_filter_fn` also reads the official release layout (downsample at the end of a stage, `head`,
+and the `relative_position_index` / `attn_mask` buffers saved in the file).
+"""
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import DropPath, Mlp, PatchEmbed, init_weights
+
+MASKED = -100.0  # the original implementation's additive mask value; exp(-100) is 0 in float32 softmax
+
+
+def window_partition(x: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, H, W, C] -> [B * windows, window * window, C], windows in row-major order."""
+    B, H, W, C = x.shape
+    x = x.view(B, H // window, window, W // window, window, C).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, window * window, C)
+
+
+def window_reverse(windows: torch.Tensor, window: int, H: int, W: int) -> torch.Tensor:
+    """Inverse of `window_partition`: [B * windows, window * window, C] -> [B, H, W, C]."""
+    C = windows.shape[-1]
+    x = windows.view(-1, H // window, W // window, window, window, C).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, H, W, C)
+
+
+def relative_position_index(window: int) -> torch.Tensor:
+    """[M*M, M*M] index into the (2M-1)^2-row bias table for every (query, key) pair in a window."""
+    coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+    rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)  # shift to start at 0
+    return rel[..., 0] * (2 * window - 1) + rel[..., 1]
+
+
+def shifted_window_mask(height: int, width: int, window: int, shift: int) -> torch.Tensor:
+    """[windows, M*M, M*M] additive mask: 0 where two tokens came from the same region before the roll."""
+    region = torch.zeros(1, height, width, 1)
+    bounds = (slice(0, -window), slice(-window, -shift), slice(-shift, None))
+    for i, (h, w) in enumerate((h, w) for h in bounds for w in bounds):
+        region[:, h, w, :] = i
+    region = window_partition(region, window).squeeze(-1)  # [windows, M*M]
+    same = region[:, None, :] == region[:, :, None]
+    return torch.zeros(same.shape).masked_fill(~same, MASKED)
+
+
+class WindowAttention(nn.Module):
+    """Multi-head self-attention inside a window, with a relative position bias per head."""
+
+    def __init__(self, dim: int, num_heads: int, window: int, qkv_bias: bool = True,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0):
+        super().__init__()
+        self.num_heads = num_heads
+        self.window = window
+        self.attn_drop = attn_drop
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, num_heads))
+        self.register_buffer("relative_position_index", relative_position_index(window), persistent=False)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
+
+    def relative_position_bias(self) -> torch.Tensor:
+        """[heads, M*M, M*M]"""
+        n = self.window * self.window
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
+        return bias.permute(2, 0, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B * windows, M*M, C]; mask: [windows, M*M, M*M] or None."""
+        B_, N, C = x.shape
+        qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        # contiguous q/k/v and mask: without them the dynamo ONNX export cannot view the permuted tensors
+        q, k, v = (t.contiguous() for t in qkv.unbind(0))
+        bias = self.relative_position_bias().unsqueeze(0)
+        if mask is not None:
+            windows = mask.shape[0]
+            mask = mask.view(1, windows, 1, N, N).expand(B_ // windows, -1, self.num_heads, -1, -1)
+            bias = bias + mask.reshape(-1, self.num_heads, N, N)
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.contiguous(),
+                                           dropout_p=self.attn_drop if self.training else 0.0)
+        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B_, N, C)))
+
+
+class SwinTransformerBlock(nn.Module):
+    """(Shifted) window attention and MLP, each pre-norm with a residual, on a [B, H, W, C] grid."""
+
+    def __init__(self, dim: int, resolution: tuple[int, int], num_heads: int, window: int, shift: int,
+                 mlp_ratio: float = 4.0, qkv_bias: bool = True, drop: float = 0.0, attn_drop: float = 0.0,
+                 drop_path: float = 0.0):
+        super().__init__()
+        # A stage no larger than the window is one window, and shifting it would change nothing.
+        if min(resolution) <= window:
+            window, shift = min(resolution), 0
+        self.window = window
+        self.shift = shift
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = WindowAttention(dim, num_heads, window, qkv_bias, attn_drop, drop)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
+        self.drop_path = DropPath(drop_path)
+        padded = [-(-r // window) * window for r in resolution]  # a grid not divisible by M is padded
+        mask = shifted_window_mask(padded[0], padded[1], window, shift) if shift else None
+        self.register_buffer("attn_mask", mask, persistent=False)
+
+    def _attn(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        if self.shift:
+            x = torch.roll(x, shifts=(-self.shift, -self.shift), dims=(1, 2))
+        pad_h, pad_w = -H % self.window, -W % self.window
+        x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
+        windows = self.attn(window_partition(x, self.window), mask=self.attn_mask)
+        x = window_reverse(windows, self.window, H + pad_h, W + pad_w)[:, :H, :W, :]
+        if self.shift:
+            x = torch.roll(x, shifts=(self.shift, self.shift), dims=(1, 2))
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path(self._attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class PatchMerging(nn.Module):
+    """[B, H, W, C] -> [B, H/2, W/2, 2C]: concatenate each 2 x 2 neighbourhood, LayerNorm, project."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(4 * dim)
+        self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
+        H, W = x.shape[1:3]
+        # Neighbour order (0,0), (1,0), (0,1), (1,1) as (row, col): the original's cat([x0, x1, x2, x3]).
+        x = x.reshape(B, H // 2, 2, W // 2, 2, C).permute(0, 1, 3, 4, 2, 5).flatten(3)
+        return self.reduction(self.norm(x))
+
+
+class SwinTransformerStage(nn.Module):
+    """Optional patch merging, then `depth` blocks alternating regular and shifted windows."""
+
+    def __init__(self, dim: int, resolution: tuple[int, int], depth: int, num_heads: int, window: int,
+                 downsample: bool, mlp_ratio: float, qkv_bias: bool, drop: float, attn_drop: float,
+                 drop_path: list[float]):
+        super().__init__()
+        if downsample:
+            self.downsample = PatchMerging(dim // 2)
+            resolution = ((resolution[0] + 1) // 2, (resolution[1] + 1) // 2)
+        else:
+            self.downsample = nn.Identity()
+        self.resolution = resolution
+        self.blocks = nn.Sequential(*[
+            SwinTransformerBlock(dim, resolution, num_heads, window, shift=0 if i % 2 == 0 else window // 2,
+                                 mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop, attn_drop=attn_drop,
+                                 drop_path=drop_path[i])
+            for i in range(depth)
+        ])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.downsample(x))
+
+
+class ClassifierHead(nn.Module):
+    """Global average pool over the token grid, then a linear classifier (`head.fc`, as in timm)."""
+
+    def __init__(self, in_features: int, num_classes: int, drop: float = 0.0):
+        super().__init__()
+        self.drop = nn.Dropout(drop)
+        self.fc = nn.Linear(in_features, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.drop(x.mean(dim=(1, 2))))
+
+
+class SwinTransformer(nn.Module):
+    def __init__(
+        self,
+        img_size: int = 224,
+        patch_size: int = 4,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 96,
+        depths: tuple[int, ...] = (2, 2, 6, 2),
+        num_heads: tuple[int, ...] = (3, 6, 12, 24),
+        window_size: int = 7,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+    ):
+        super().__init__()
+        self.num_classes = num_classes
+        self.window_size = window_size
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, norm=True)
+        rates = [drop_path_rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]
+        stages, resolution = [], self.patch_embed.grid_size
+        for i, depth in enumerate(depths):
+            stage = SwinTransformerStage(
+                embed_dim * 2**i, resolution, depth, num_heads[i], window_size, downsample=i > 0,
+                mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate,
+                drop_path=rates[sum(depths[:i]):sum(depths[:i + 1])])
+            stages.append(stage)
+            resolution = stage.resolution
+        self.layers = nn.Sequential(*stages)
+        self.num_features = embed_dim * 2 ** (len(depths) - 1)
+        self.norm = nn.LayerNorm(self.num_features)
+        self.head = ClassifierHead(self.num_features, num_classes, drop_rate)
+        self.apply(init_weights)
+
+    def no_weight_decay(self) -> set[str]:
+        return {n for n, _ in self.named_parameters() if "relative_position_bias_table" in n}
+
+    def reset_classifier(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.head.fc = nn.Linear(self.num_features, num_classes)
+        init_weights(self.head.fc)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] -> normalised last-stage tokens [B, H/32, W/32, C]."""
+        return self.norm(self.layers(self.patch_embed(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.forward_features(x))
+
+
+def resize_relative_position_bias(table: torch.Tensor, new: int) -> torch.Tensor:
+    """Resize a [(2M-1)^2, heads] bias table to [new^2, heads] (bicubic over its (2M-1) x (2M-1) grid)."""
+    old = round(table.shape[0] ** 0.5)
+    grid = table.float().T.reshape(1, -1, old, old)
+    grid = F.interpolate(grid, size=(new, new), mode="bicubic", align_corners=False)
+    return grid.reshape(-1, new * new).T.contiguous().to(table.dtype)
+
+
+def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: SwinTransformer) -> dict[str, torch.Tensor]:
+    """Adapt a timm or official-release Swin state dict to `model`.
+
+    The official release puts `downsample` at the end of a stage (timm: start of the next), names the
+    classifier `head` (timm: `head.fc`) and saves the `relative_position_index` / `attn_mask` buffers, which
+    are recomputed here. Bias tables of another window size are resized.
+    """
+    official = "layers.0.downsample.reduction.weight" in state_dict
+    params = dict(model.named_parameters())
+    out = {}
+    for k, v in state_dict.items():
+        if k.endswith(("relative_position_index", "attn_mask")):
+            continue
+        if official:
+            k = re.sub(r"^layers\.(\d+)\.downsample", lambda m: f"layers.{int(m.group(1)) + 1}.downsample", k)
+            k = re.sub(r"^head\.", "head.fc.", k)
+        if k.endswith("relative_position_bias_table") and k in params and v.shape != params[k].shape:
+            v = resize_relative_position_bias(v, round(params[k].shape[0] ** 0.5))
+        out[k] = v
+    return out

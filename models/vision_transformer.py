@@ -1,0 +1,164 @@
+"""Vision Transformer (ViT) and DeiT, including the distilled DeiT.
+
+- ViT: "An Image is Worth 16x16 Words", Dosovitskiy et al. 2020, https://arxiv.org/abs/2010.11929
+- DeiT: "Training data-efficient image transformers & distillation through attention", Touvron et al. 2020,
+  https://arxiv.org/abs/2012.12877
+
+The image is cut into p x p patches, each projected to a D-dim token; a learnable [CLS] token (and, for the
+distilled DeiT, a distillation token) is prepended, a learnable position embedding added, and the sequence goes
+through pre-norm blocks (LayerNorm -> multi-head self-attention -> residual, LayerNorm -> MLP -> residual).
+The classifier reads the final [CLS] token; the distilled DeiT also has a head on the distillation token and
+averages the two heads' logits at inference.
+
+Parameter names and shapes are timm's, so timm and official DeiT checkpoints load without renaming.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import DropPath, Mlp, PatchEmbed, init_weights
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a packed qkv projection: softmax(Q K^T / sqrt(d)) V per head."""
+
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed dim {dim} is not divisible by {num_heads} heads")
+        self.num_heads = num_heads
+        self.attn_drop = attn_drop
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each [B, heads, N, head_dim]
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer encoder block."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
+                 drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
+        self.drop_path = DropPath(drop_path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class VisionTransformer(nn.Module):
+    """ViT / DeiT classifier; `distilled=True` adds DeiT's distillation token and second head."""
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        distilled: bool = False,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+    ):
+        super().__init__()
+        self.num_classes = num_classes
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.distilled = distilled
+        self.num_prefix_tokens = 2 if distilled else 1
+        # When set (and training), the distilled model returns both heads' logits for the distillation loss.
+        self.distilled_training = False
+
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        num_tokens = self.patch_embed.num_patches + self.num_prefix_tokens
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if distilled else None
+        self.pos_drop = nn.Dropout(drop_rate)
+        rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth grows with depth
+        self.blocks = nn.Sequential(*[
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, rates[i])
+            for i in range(depth)
+        ])
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes)
+        self.head_dist = nn.Linear(embed_dim, num_classes) if distilled else None
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for p in (self.pos_embed, self.cls_token, self.dist_token):
+            if p is not None:
+                nn.init.trunc_normal_(p, std=0.02)
+        self.apply(init_weights)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed", "cls_token", "dist_token"}
+
+    def reset_classifier(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.embed_dim, num_classes)
+        init_weights(self.head)
+        if self.distilled:
+            self.head_dist = nn.Linear(self.embed_dim, num_classes)
+            init_weights(self.head_dist)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] -> normalised tokens [B, prefix + patches, D]; [CLS] (and dist) first."""
+        x = self.patch_embed(x).flatten(1, 2)
+        prefix = [self.cls_token] if self.dist_token is None else [self.cls_token, self.dist_token]
+        x = torch.cat([t.expand(x.shape[0], -1, -1) for t in prefix] + [x], dim=1)
+        x = self.pos_drop(x + self.pos_embed)
+        return self.norm(self.blocks(x))
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(self.head_drop(x[:, 0]))
+        if not self.distilled:
+            return logits
+        logits_dist = self.head_dist(self.head_drop(x[:, 1]))
+        if self.distilled_training and self.training:
+            return logits, logits_dist
+        return (logits + logits_dist) / 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.forward_head(self.forward_features(x))
+
+
+def resample_pos_embed(pos_embed: torch.Tensor, grid_size: tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
+    """Resize a square grid of position embeddings to `grid_size` (bicubic, as timm does); prefix tokens kept."""
+    prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
+    old = math.isqrt(grid.shape[1])
+    if old * old != grid.shape[1]:
+        raise ValueError(f"position embedding of {grid.shape[1]} patch tokens is not a square grid")
+    grid = grid.float().reshape(1, old, old, -1).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid, size=grid_size, mode="bicubic", antialias=True, align_corners=False)
+    grid = grid.permute(0, 2, 3, 1).reshape(1, grid_size[0] * grid_size[1], -1).to(pos_embed.dtype)
+    return torch.cat([prefix, grid], dim=1)
+
+
+def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: VisionTransformer) -> dict[str, torch.Tensor]:
+    """Adapt a timm / official DeiT state dict to `model`: resize the position embedding to its grid."""
+    out = dict(state_dict)
+    pos = out.get("pos_embed")
+    prefix = 2 if "dist_token" in out else 1  # the file's own prefix tokens, whatever the model has
+    if pos is not None and pos.ndim == 3 and pos.shape[1] - prefix != model.patch_embed.num_patches:
+        out["pos_embed"] = resample_pos_embed(pos, model.patch_embed.grid_size, prefix)
+    return out

@@ -1,0 +1,5 @@
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "reference"))  # fill.py and cases.py, shared with the generator
