@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-slow demo-weights clean
+.PHONY: install test test-slow demo-data demo-weights clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,25 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# The embedded demo models: synthetic data, then one training run each (about 4 h on 2 CPU cores).
+# The commands are recorded in each models/demo/*/summary.json with the held-out accuracy.
+DEMO := models/demo
+SHAPES := data/shapes
+FACES := data/faces
+RECIPE := --lr 1e-3 --batch-size 64 --warmup-epochs 1 --crop-scale 0.85 --jitter 0.1 --drop-path 0.05
+
+demo-data: install
+	$(BIN)/python -m models.synthetic shapes --out $(SHAPES) --train 20000 --val 1200 --seed 0
+	$(BIN)/python -m models.synthetic faces --out $(FACES) --train 14000 --val 1400 --seed 0
+
+demo-weights: demo-data
+	$(BIN)/python -m models.train vit_micro_patch16_fer_112 --data $(FACES) --out $(DEMO)/vit_micro_patch16_fer_112 --epochs 30 $(RECIPE)
+	$(BIN)/python -m models.train vit_micro_patch8_96 --data $(SHAPES) --out $(DEMO)/vit_micro_patch8_96 --epochs 20 $(RECIPE)
+	$(BIN)/python -m models.train swin_micro_patch4_window6_96 --data $(SHAPES) --out $(DEMO)/swin_micro_patch4_window6_96 --epochs 20 $(RECIPE)
+	$(BIN)/python -m models.train deit_micro_distilled_patch8_96 --data $(SHAPES) --out $(DEMO)/deit_micro_distilled_patch8_96 --epochs 20 $(RECIPE) \
+		--teacher $(DEMO)/swin_micro_patch4_window6_96/model.safetensors
+	rm -f $(DEMO)/*/checkpoint.pt
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -8,15 +8,13 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .labels import RAF_DB_LABELS, SHAPE_LABELS
 from .swin_transformer import SwinTransformer
 from .vision_transformer import VisionTransformer
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 HALF = (0.5, 0.5, 0.5)
-# RAF-DB's basic-expression label order (1..7 in its annotation files).
-RAF_DB_LABELS = ("surprise", "fear", "disgust", "happiness", "sadness", "anger", "neutral")
-SHAPE_LABELS = ("circle", "square", "triangle", "star", "cross", "hexagon")
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,13 @@ class WindowAttention(nn.Module):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
         return bias.permute(2, 0, 1)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B * windows, M*M, C]; mask: [windows, M*M, M*M] or None."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [B * windows, M*M, C]; mask: [windows, M*M, M*M] or None.
+
+        With `received`, also returns the attention each token receives, averaged over its window's
+        queries, [B * windows, heads, M*M], computed beside the fused kernel.
+        """
         B_, N, C = x.shape
         qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
         # contiguous q/k/v and mask: without them the dynamo ONNX export cannot view the permuted tensors
@@ -87,9 +92,13 @@ class WindowAttention(nn.Module):
             windows = mask.shape[0]
             mask = mask.view(1, windows, 1, N, N).expand(B_ // windows, -1, self.num_heads, -1, -1)
             bias = bias + mask.reshape(-1, self.num_heads, N, N)
-        x = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.contiguous(),
-                                           dropout_p=self.attn_drop if self.training else 0.0)
-        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B_, N, C)))
+        bias = bias.contiguous()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.0)
+        out = self.proj_drop(self.proj(out.transpose(1, 2).reshape(B_, N, C)))
+        if not received:
+            return out
+        probs = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1) + bias).softmax(dim=-1)
+        return out, probs.mean(dim=2)
 
 
 class SwinTransformerBlock(nn.Module):
@@ -113,21 +122,31 @@ class SwinTransformerBlock(nn.Module):
         mask = shifted_window_mask(padded[0], padded[1], window, shift) if shift else None
         self.register_buffer("attn_mask", mask, persistent=False)
 
-    def _attn(self, x: torch.Tensor) -> torch.Tensor:
+    def _to_grid(self, windows: torch.Tensor, H: int, W: int) -> torch.Tensor:
+        """Window tokens [B * windows, M*M, C] back to the unshifted, unpadded grid [B, H, W, C]."""
+        x = window_reverse(windows, self.window, H + -H % self.window, W + -W % self.window)[:, :H, :W, :]
+        return torch.roll(x, shifts=(self.shift, self.shift), dims=(1, 2)) if self.shift else x
+
+    def _attn(self, x: torch.Tensor, received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         B, H, W, C = x.shape
         if self.shift:
             x = torch.roll(x, shifts=(-self.shift, -self.shift), dims=(1, 2))
         pad_h, pad_w = -H % self.window, -W % self.window
-        x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
-        windows = self.attn(window_partition(x, self.window), mask=self.attn_mask)
-        x = window_reverse(windows, self.window, H + pad_h, W + pad_w)[:, :H, :W, :]
-        if self.shift:
-            x = torch.roll(x, shifts=(self.shift, self.shift), dims=(1, 2))
-        return x
+        if pad_h or pad_w:
+            x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
+        out = self.attn(window_partition(x, self.window), mask=self.attn_mask, received=received)
+        if not received:
+            return self._to_grid(out, H, W)
+        out, got = out
+        return self._to_grid(out, H, W), self._to_grid(got.transpose(1, 2), H, W)  # [B, H, W, heads]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self._attn(self.norm1(x)))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+    def forward(self, x: torch.Tensor, received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With `received`, also returns the attention each token receives in its window, [B, H, W, heads]."""
+        attn = self._attn(self.norm1(x), received)
+        attn, got = attn if received else (attn, None)
+        x = x + self.drop_path(attn)
+        x = x + self.drop_path(self.mlp(self.norm2(x)))
+        return (x, got) if received else x
 
 
 class PatchMerging(nn.Module):
@@ -140,8 +159,9 @@ class PatchMerging(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, H, W, C = x.shape
-        x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
-        H, W = x.shape[1:3]
+        if H % 2 or W % 2:
+            x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
+            H, W = x.shape[1:3]
         # Neighbour order (0,0), (1,0), (0,1), (1,1) as (row, col): the original's cat([x0, x1, x2, x3]).
         x = x.reshape(B, H // 2, 2, W // 2, 2, C).permute(0, 1, 3, 4, 2, 5).flatten(3)
         return self.reduction(self.norm(x))
@@ -233,6 +253,18 @@ class SwinTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.forward_features(x))
+
+    def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and, from the last block, the attention each last-stage token receives averaged over the
+        queries of its window, [B, heads, H*W] (row-major grid).
+
+        Swin has no [CLS] token; the classifier averages the last stage's tokens, and in standard configs
+        that stage is a single window, so this is how much the average query attends to each token.
+        """
+        last = self.layers[-1]
+        x = last.blocks[:-1](last.downsample(self.layers[:-1](self.patch_embed(x))))
+        x, received = last.blocks[-1](x, received=True)
+        return self.head(self.norm(x)), received.flatten(1, 2).transpose(1, 2)
 
 
 def resize_relative_position_bias(table: torch.Tensor, new: int) -> torch.Tensor:

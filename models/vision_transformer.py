@@ -34,12 +34,18 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, query_rows: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[B, N, C] -> [B, N, C]. With query_rows = r > 0, also returns the attention probabilities of the
+        first r tokens' queries, [B, heads, r, N], computed beside the fused kernel: O(r N d) per head."""
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each [B, heads, N, head_dim]
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
-        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
+        x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
+        if not query_rows:
+            return x
+        scores = (q[:, :, :query_rows] * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+        return x, scores.softmax(dim=-1)
 
 
 class Block(nn.Module):
@@ -54,9 +60,13 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
         self.drop_path = DropPath(drop_path)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x)))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+    def forward(self, x: torch.Tensor, query_rows: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With query_rows > 0 also returns those rows' attention probabilities (see Attention)."""
+        attn = self.attn(self.norm1(x), query_rows)
+        attn, probs = attn if query_rows else (attn, None)
+        x = x + self.drop_path(attn)
+        x = x + self.drop_path(self.mlp(self.norm2(x)))
+        return (x, probs) if query_rows else x
 
 
 class VisionTransformer(nn.Module):
@@ -121,13 +131,16 @@ class VisionTransformer(nn.Module):
             self.head_dist = nn.Linear(self.embed_dim, num_classes)
             init_weights(self.head_dist)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, 3, H, W] -> normalised tokens [B, prefix + patches, D]; [CLS] (and dist) first."""
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] -> tokens [B, prefix + patches, D] with position embeddings; [CLS] (and dist) first."""
         x = self.patch_embed(x).flatten(1, 2)
         prefix = [self.cls_token] if self.dist_token is None else [self.cls_token, self.dist_token]
         x = torch.cat([t.expand(x.shape[0], -1, -1) for t in prefix] + [x], dim=1)
-        x = self.pos_drop(x + self.pos_embed)
-        return self.norm(self.blocks(x))
+        return self.pos_drop(x + self.pos_embed)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] -> normalised tokens [B, prefix + patches, D]."""
+        return self.norm(self.blocks(self._embed(x)))
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         logits = self.head(self.head_drop(x[:, 0]))
@@ -140,6 +153,20 @@ class VisionTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.forward_head(self.forward_features(x))
+
+    def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and the last block's attention rows of the prefix tokens over the patches,
+        [B, heads, prefix, patches]: [CLS] (and the distillation token) looking at the image."""
+        x, rows = self.blocks[-1](self.blocks[:-1](self._embed(x)), query_rows=self.num_prefix_tokens)
+        return self.forward_head(self.norm(x)), rows[..., self.num_prefix_tokens:]
+
+    def attention_probabilities(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every block's full attention probabilities [B, heads, N, N], computed explicitly (for rollout)."""
+        x, probs = self._embed(x), []
+        for block in self.blocks:
+            x, p = block(x, query_rows=x.shape[1])
+            probs.append(p)
+        return probs
 
 
 def resample_pos_embed(pos_embed: torch.Tensor, grid_size: tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:

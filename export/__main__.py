@@ -1,0 +1,53 @@
+"""Export a model to ONNX with fused attention, verify it, and write it into a model repository.
+
+    python -m export deit_small_patch16_224 --weights deit_small.pth --labels imagenet.txt --out model_repository
+    python -m export vit_micro_patch8_96 --weights models/demo/vit_micro_patch8_96/model.safetensors --precision int8
+
+Writes OUT/NAME/model.onnx, OUT/NAME/explain.onnx (ViT/DeiT: every block's attention, for rollout) and
+OUT/NAME/manifest.json. Progress goes to stderr; a failed check exits non-zero and leaves nothing behind.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+from jsonschema import ValidationError
+
+from models import WeightsError
+from models.data import DataError
+
+from .parity import ParityError
+from .pipeline import ExportError, export_model
+from .precision import PRECISIONS
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a registry name (python -c 'import models; print(models.list_models())')")
+    p.add_argument("--weights", type=Path, help="checkpoint: .pth/.pt (timm or official layout) or .safetensors")
+    p.add_argument("--random-init", action="store_true", help="export untrained weights (benchmarks, tests)")
+    p.add_argument("--num-classes", type=int, help="classes of the classifier (default: from the labels)")
+    p.add_argument("--labels", type=Path, help="a file with one label per line, in class-index order")
+    p.add_argument("--img-size", type=int, help="input size (default: the weights' or the model's)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="fp32 (any provider), fp16 (CUDA), int8 (dynamic quantization, CPU)")
+    p.add_argument("--task", choices=["classification", "expression"], help="default: the model's")
+    p.add_argument("--name", help="the model's name in the repository (default: MODEL[-PRECISION])")
+    p.add_argument("--out", type=Path, default=Path("model_repository"), help="the model repository folder")
+    p.add_argument("--eval-data", type=Path, help="held-out ImageFolder for accuracy and the fp16/int8 gate")
+    p.add_argument("--no-explain", action="store_true", help="skip the explain graph (rollout maps)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        export_model(args)
+    except KeyError as e:
+        sys.exit(f"error: {e.args[0]}")
+    except (ExportError, ParityError, WeightsError, DataError, ValidationError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

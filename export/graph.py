@@ -1,0 +1,112 @@
+"""ONNX graphs of a model: dynamo export at opset 23 with a dynamic batch axis, and what is in them.
+
+The main graph outputs the logits and what attention maps need, computed beside the fused attention:
+  ViT/DeiT: `cls_attention` [B, heads, patches], the last block's [CLS] row over the patches (the distilled
+            DeiT adds `dist_attention`, the distillation token's row);
+  Swin:     `attention` [B, heads, H*W], the attention each last-stage token receives in the last block,
+            averaged over its window's queries.
+The explain graph outputs every block's full attention probabilities (`attention_0` ...) for rollout.
+"""
+import collections
+import logging
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from models.swin_transformer import SwinTransformer
+from models.vision_transformer import VisionTransformer
+
+OPSET = 23
+INPUT = "pixel_values"
+FUSED_ATTENTION = {"Attention", "com.microsoft:MultiHeadAttention", "com.microsoft:Attention"}
+
+
+class MainGraph(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model.eval()
+
+    @property
+    def output_names(self) -> list[str]:
+        if isinstance(self.model, SwinTransformer):
+            return ["logits", "attention"]
+        return ["logits", "cls_attention", "dist_attention"] if self.model.distilled else ["logits", "cls_attention"]
+
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits, attention = self.model.forward_with_attention(pixel_values)
+        if isinstance(self.model, SwinTransformer):
+            return logits, attention
+        return (logits, *attention.unbind(dim=2))  # one [B, heads, patches] output per prefix token
+
+
+class ExplainGraph(nn.Module):
+    def __init__(self, model: VisionTransformer):
+        super().__init__()
+        self.model = model.eval()
+
+    @property
+    def output_names(self) -> list[str]:
+        return [f"attention_{i}" for i in range(len(self.model.blocks))]
+
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.model.attention_probabilities(pixel_values))
+
+
+def export_graph(module: MainGraph | ExplainGraph, img_size: int, path: Path) -> onnx.ModelProto:
+    """Export `module` to a single self-contained .onnx file at `path` and return the graph."""
+    # The exporter warns about every torchvision op it cannot register; torchvision is not used here.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    example = torch.randn(2, 3, img_size, img_size)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module, (example,), dynamo=True, opset_version=OPSET, input_names=[INPUT],
+            output_names=module.output_names, dynamic_shapes={INPUT: {0: batch}}, verbose=False)
+    proto = program.model_proto
+    # The exporter can leave stale intermediate shapes that make ONNX shape inference fail later.
+    del proto.graph.value_info[:]
+    onnx.save_model(proto, path)  # weights inline: the file travels alone
+    return proto
+
+
+def op_counts(proto: onnx.ModelProto) -> dict[str, int]:
+    """Node counts by op type, "domain:Op" outside the default domain."""
+    names = (f"{n.domain}:{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type for n in proto.graph.node)
+    return dict(sorted(collections.Counter(names).items()))
+
+
+def fused_attention_count(counts: dict[str, int]) -> int:
+    return sum(v for k, v in counts.items() if k in FUSED_ATTENTION)
+
+
+def unfused_attention(proto: onnx.ModelProto) -> list[str]:
+    """Softmax nodes between two MatMuls (scores -> softmax -> weighted sum): attention left unfused.
+
+    Element-wise steps between the score MatMul and the Softmax (scale, bias, mask) are looked through.
+    """
+    producer = {out: n for n in proto.graph.node for out in n.output}
+    consumers = collections.defaultdict(list)
+    for n in proto.graph.node:
+        for name in n.input:
+            consumers[name].append(n)
+    passthrough = {"Add", "Mul", "Div", "Where", "Cast", "Reshape"}
+
+    def from_matmul(name: str, depth: int = 0) -> bool:
+        node = producer.get(name)
+        if node is None or depth > 4:
+            return False
+        return node.op_type == "MatMul" or (node.op_type in passthrough and any(
+            from_matmul(i, depth + 1) for i in node.input))
+
+    return [n.name for n in proto.graph.node if n.op_type == "Softmax" and from_matmul(n.input[0])
+            and any(c.op_type == "MatMul" for c in consumers[n.output[0]])]
+
+
+def expected_attention_blocks(model: nn.Module) -> int:
+    if isinstance(model, SwinTransformer):
+        return sum(len(stage.blocks) for stage in model.layers)
+    return len(model.blocks)

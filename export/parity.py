@@ -1,0 +1,114 @@
+"""The parity gate: an exported graph must give the model's answers.
+
+fp32 graphs are compared with PyTorch on real photographs (scikit-image's), preprocessed the model's way,
+and on random inputs: logits within 1e-4 and attention outputs within 1e-4. fp16/int8 graphs are compared
+with the fp32 graph: top-1 agreement >= 99% on a held-out set (--eval-data), else on the same inputs.
+"""
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from PIL import Image
+from skimage import data as photos
+
+from models.data import ImageFolder, list_images, normalise, preprocess
+
+from .graph import INPUT
+
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "hubble_deep_field", "immunohistochemistry", "coins")
+FP32_ABS_TOLERANCE = 1e-4
+MIN_TOP1_AGREEMENT = 0.99
+
+
+class ParityError(RuntimeError):
+    """The exported graph does not give the model's answers."""
+
+
+@dataclass
+class GateInputs:
+    """Normalised [N, 3, S, S] batches: photos + random inputs, and an optional labelled held-out set."""
+    probe: torch.Tensor
+    heldout: torch.Tensor | None = None
+    heldout_labels: torch.Tensor | None = None
+    sources: dict = field(default_factory=dict)
+
+
+def gate_inputs(spec, eval_data: Path | None = None, seed: int = 0) -> GateInputs:
+    size, policy = spec.img_size, (spec.crop_pct, spec.interpolation)
+    images = [Image.fromarray(getattr(photos, name)()).convert("RGB") for name in PHOTOS]
+    real = normalise(torch.stack([preprocess(im, size, *policy) for im in images]) / 255, spec)
+    noise = torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(seed))
+    inputs = GateInputs(torch.cat([real, noise]), sources={"photos": list(PHOTOS), "random": 4})
+    if eval_data is not None:
+        items = list_images(eval_data, list(spec.labels))
+        if not items:
+            raise ParityError(f"no images of the model's classes ({', '.join(spec.labels)}) under {eval_data}")
+        dataset = ImageFolder(items, size, *policy)
+        inputs.heldout = normalise(torch.stack([dataset[i][0] for i in range(len(dataset))]) / 255, spec)
+        inputs.heldout_labels = torch.tensor([label for _, label in items])
+        inputs.sources["heldout"] = {"path": str(eval_data), "images": len(items)}
+    return inputs
+
+
+def run_session(session: ort.InferenceSession, x: torch.Tensor, batch: int = 64) -> list[np.ndarray]:
+    parts = [session.run(None, {INPUT: x[i:i + batch].numpy()}) for i in range(0, len(x), batch)]
+    return [np.concatenate(outs) for outs in zip(*parts)]
+
+
+def run_torch(module: torch.nn.Module, x: torch.Tensor, batch: int = 64) -> list[np.ndarray]:
+    with torch.no_grad():
+        parts = [[t.numpy() for t in module(x[i:i + batch])] for i in range(0, len(x), batch)]
+    return [np.concatenate(outs) for outs in zip(*parts)]
+
+
+def _agreement(a: np.ndarray, b: np.ndarray) -> float:
+    return float((a.argmax(1) == b.argmax(1)).mean())
+
+
+def check_fp32(session: ort.InferenceSession, module: torch.nn.Module, inputs: GateInputs) -> dict:
+    """ONNX Runtime against PyTorch; raises ParityError beyond tolerance."""
+    names = [o.name for o in session.get_outputs()]
+    got, want = run_session(session, inputs.probe), run_torch(module, inputs.probe)
+    report = {
+        "reference": "torch",
+        "provider": session.get_providers()[0],
+        "inputs": inputs.sources,
+        "logits_max_abs_diff": float(np.abs(got[0] - want[0]).max()),
+        "top1_agreement": _agreement(got[0], want[0]),
+        "attention_max_abs_diff": {n: float(np.abs(g - w).max()) for n, g, w in zip(names[1:], got[1:], want[1:])},
+    }
+    worst = max([report["logits_max_abs_diff"], *report["attention_max_abs_diff"].values()])
+    if worst > FP32_ABS_TOLERANCE:
+        raise ParityError(f"ONNX Runtime differs from PyTorch by {worst:.3g} (tolerance {FP32_ABS_TOLERANCE}): {report}")
+    if inputs.heldout is not None:
+        logits = run_session(session, inputs.heldout)[0]
+        report["heldout_accuracy"] = float((logits.argmax(1) == inputs.heldout_labels.numpy()).mean())
+    return report
+
+
+def check_reduced(session: ort.InferenceSession, fp32: ort.InferenceSession, inputs: GateInputs) -> dict:
+    """A reduced-precision graph against the fp32 graph: top-1 agreement, on the held-out set if given."""
+    heldout = inputs.heldout is not None
+    x = inputs.heldout if heldout else inputs.probe
+    got, want = run_session(session, x), run_session(fp32, x)
+    report = {
+        "reference": "fp32 graph",
+        "provider": session.get_providers()[0],
+        "inputs": inputs.sources,
+        "agreement_on": "heldout" if heldout else "probe",
+        "top1_agreement": _agreement(got[0], want[0]),
+        "logits_max_abs_diff": float(np.abs(got[0] - want[0]).max()),
+        "attention_max_abs_diff": {o.name: float(np.abs(g - w).max())
+                                   for o, g, w in zip(session.get_outputs()[1:], got[1:], want[1:])},
+    }
+    if heldout:
+        labels = inputs.heldout_labels.numpy()
+        report["heldout_accuracy"] = float((got[0].argmax(1) == labels).mean())
+        report["fp32_heldout_accuracy"] = float((want[0].argmax(1) == labels).mean())
+    if report["top1_agreement"] < MIN_TOP1_AGREEMENT:
+        hint = "" if heldout else " (on photos and random inputs; pass --eval-data with held-out images)"
+        raise ParityError(f"top-1 agreement with the fp32 graph is {report['top1_agreement']:.3f} < "
+                          f"{MIN_TOP1_AGREEMENT}{hint}: {report}")
+    return report

@@ -1,0 +1,238 @@
+"""Checkpoint -> verified model-repository entry: DIR/NAME/{model.onnx, explain.onnx, manifest.json}.
+
+Steps: build the model and load its weights; export the main graph; prove every attention block is a fused
+op; run the parity gate; convert to fp16/int8 and gate that against fp32; export the explain graph
+(ViT/DeiT); write and validate the manifest. Everything is built in a hidden folder beside the target
+and moved into place only when all checks passed, so a failed export leaves nothing behind.
+"""
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from safetensors import safe_open
+from torch import nn
+
+from models import create_model, get_spec, load_weights
+from models.swin_transformer import SwinTransformer
+
+from . import manifest as mf
+from .graph import (INPUT, OPSET, ExplainGraph, MainGraph, expected_attention_blocks, export_graph,
+                    fused_attention_count, op_counts, unfused_attention)
+from .parity import FP32_ABS_TOLERANCE, ParityError, check_fp32, check_reduced, gate_inputs, run_session, run_torch
+from .precision import CONVERTERS
+
+PROVIDERS = {"fp32": ["CUDAExecutionProvider", "CPUExecutionProvider"], "fp16": ["CUDAExecutionProvider"],
+             "int8": ["CPUExecutionProvider"]}
+
+
+class ExportError(RuntimeError):
+    """An export that cannot proceed; the message says why."""
+
+
+class Progress:
+    def __init__(self):
+        self.start = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.start:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def weights_metadata(path: Path | None) -> dict:
+    """What our trainer recorded with the weights: safetensors metadata, labels.txt and summary.json beside it."""
+    meta = {}
+    if path is None:
+        return meta
+    if path.suffix == ".safetensors" and path.is_file():
+        with safe_open(path, "pt") as f:
+            raw = f.metadata() or {}
+        meta.update({k: json.loads(v) if k == "labels" else v for k, v in raw.items()})
+    if "labels" not in meta and (path.parent / "labels.txt").is_file():
+        meta["labels"] = (path.parent / "labels.txt").read_text().split("\n")
+    if (path.parent / "summary.json").is_file():
+        summary = json.loads((path.parent / "summary.json").read_text())
+        meta["training"] = {k: summary.get(k) for k in ("command", "val_accuracy", "val_images", "train_images")}
+    meta["labels"] = [label for label in meta.get("labels", []) if label]
+    return meta
+
+
+def resolve_labels(args, meta: dict) -> list[str]:
+    spec = get_spec(args.model)
+    if args.labels:
+        labels = [line.strip() for line in Path(args.labels).read_text().splitlines() if line.strip()]
+    else:
+        labels = meta.get("labels") or list(spec.labels or [])
+    num_classes = args.num_classes or len(labels) or spec.num_classes
+    if labels and len(labels) != num_classes:
+        raise ExportError(f"{len(labels)} labels for a {num_classes}-class model")
+    return labels or [str(i) for i in range(num_classes)]
+
+
+def build_model(args, labels: list[str], meta: dict) -> nn.Module:
+    if not args.weights and not args.random_init:
+        raise ExportError("pass --weights PATH, or --random-init to export untrained weights")
+    img_size = args.img_size or (int(meta["img_size"]) if "img_size" in meta else None)
+    model = create_model(args.model, num_classes=len(labels), img_size=img_size)
+    if args.weights:
+        load_weights(model, args.weights)
+    return model.eval()
+
+
+def _session(path: Path, providers: list[str]) -> ort.InferenceSession:
+    """A session on the first of `providers` that really starts here, else on the CPU.
+
+    onnxruntime-gpu lists CUDA as available even without CUDA 13 / cuDNN 9 and then logs an error when
+    it fails to start, so ask quietly and look at what the session got.
+    """
+    wanted = [p for p in providers if p in ort.get_available_providers()] + ["CPUExecutionProvider"]
+    ort.set_default_logger_severity(4)  # a missing CUDA is expected here, not an error
+    try:
+        return ort.InferenceSession(str(path), providers=list(dict.fromkeys(wanted)))
+    finally:
+        ort.set_default_logger_severity(2)
+
+
+def _check_fusion(proto, model: nn.Module) -> dict[str, int]:
+    counts = op_counts(proto)
+    unfused = unfused_attention(proto)
+    fused, expected = fused_attention_count(counts), expected_attention_blocks(model)
+    if unfused or fused != expected:
+        raise ExportError(f"attention is not fused: {fused} fused attention ops for {expected} blocks, "
+                          f"unfused MatMul-Softmax-MatMul at {unfused or 'none'}")
+    return counts
+
+
+def _attention_section(model: nn.Module, explain_outputs: list[str]) -> dict:
+    if isinstance(model, SwinTransformer):
+        last = model.layers[-1]
+        section = {"method": "window_received", "grid": list(last.resolution),
+                   "heads": last.blocks[-1].attn.num_heads, "outputs": {"received": "attention"}}
+    else:
+        outputs = {"cls": "cls_attention", "dist": "dist_attention"} if model.distilled else {"cls": "cls_attention"}
+        section = {"method": "cls_row", "grid": list(model.patch_embed.grid_size), "heads": model.num_heads,
+                   "outputs": outputs}
+    if explain_outputs:
+        section["explain_outputs"] = explain_outputs
+    return section
+
+
+def _outputs(main: MainGraph, proto) -> list[dict]:
+    descriptions = {"logits": "class scores before softmax",
+                    "cls_attention": "last block, [CLS] query over the patches, per head",
+                    "dist_attention": "last block, distillation-token query over the patches, per head",
+                    "attention": "last block, attention each token receives, mean over its window's queries"}
+    out = []
+    for value in proto.graph.output:
+        dims = [d.dim_value if d.HasField("dim_value") else "batch" for d in value.type.tensor_type.shape.dim]
+        out.append({"name": value.name, "shape": dims, "dtype": "float32", "description": descriptions[value.name]})
+    return out
+
+
+def _publish(work: Path, target: Path) -> None:
+    """Move the finished folder into place, replacing an older export of the same name."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+    try:
+        work.rename(target)
+    except OSError:
+        if old is not None:
+            old.rename(target)
+        raise
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def export_model(args) -> Path:
+    log = Progress()
+    get_spec(args.model)  # an unknown name fails before any work
+    meta = weights_metadata(args.weights)
+    labels = resolve_labels(args, meta)
+    name = args.name or (args.model if args.precision == "fp32" else f"{args.model}-{args.precision}")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=args.out))
+        work.chmod(0o755)  # mkdtemp makes it private; the served folder must be readable
+    except OSError as e:
+        raise ExportError(f"cannot write to {args.out}: {e.strerror or e}") from None
+    try:
+        log(f"building {args.model} ({len(labels)} classes) from {args.weights or 'random init'}")
+        model = build_model(args, labels, meta)
+        spec = model.spec
+        main = MainGraph(model)
+        fp32_path = work / ("model.onnx" if args.precision == "fp32" else "fp32.onnx")
+        log(f"exporting to ONNX opset {OPSET} with a dynamic batch axis")
+        proto = export_graph(main, spec.img_size, fp32_path)
+        counts = _check_fusion(proto, model)
+        log(f"{fused_attention_count(counts)} fused attention ops, none unfused")
+
+        inputs = gate_inputs(spec, args.eval_data)
+        fp32 = _session(fp32_path, ["CPUExecutionProvider"])
+        parity = check_fp32(fp32, main, inputs)
+        log(f"parity vs PyTorch: logits max |diff| {parity['logits_max_abs_diff']:.2e}, "
+            f"top-1 agreement {parity['top1_agreement']:.3f}")
+        if args.precision != "fp32":
+            log(f"converting to {args.precision}")
+            proto = CONVERTERS[args.precision](fp32_path, work / "model.onnx")
+            counts = _check_fusion(proto, model)
+            reduced = check_reduced(_session(work / "model.onnx", PROVIDERS[args.precision]), fp32, inputs)
+            parity = {"fp32": parity, args.precision: reduced}
+            log(f"{args.precision} vs fp32 on {reduced['provider']}: top-1 agreement "
+                f"{reduced['top1_agreement']:.4f} on {reduced['agreement_on']}")
+            fp32_path.unlink()
+
+        files = {"model": mf.file_entry(work / "model.onnx")}
+        explain_outputs = []
+        if not isinstance(model, SwinTransformer) and not args.no_explain:
+            log("exporting the explain graph (every block's attention probabilities)")
+            explain = ExplainGraph(model)
+            export_graph(explain, spec.img_size, work / "explain.onnx")
+            got = run_session(_session(work / "explain.onnx", ["CPUExecutionProvider"]), inputs.probe[:4])
+            worst = max(float(np.abs(g - w).max()) for g, w in zip(got, run_torch(explain, inputs.probe[:4])))
+            if worst > FP32_ABS_TOLERANCE:
+                raise ParityError(f"explain graph differs from PyTorch by {worst:.3g}")
+            parity["explain_max_abs_diff"] = worst
+            files["explain"] = mf.file_entry(work / "explain.onnx")
+            explain_outputs = explain.output_names
+
+        manifest = {
+            "schema_version": 1,
+            "name": name,
+            "architecture": spec.name,
+            "family": "swin" if isinstance(model, SwinTransformer) else "vit",
+            "distilled": bool(getattr(model, "distilled", False)),
+            "task": args.task or spec.task,
+            "labels": labels,
+            "input": {"name": INPUT, "dtype": "float32", "layout": "NCHW", "size": [spec.img_size, spec.img_size],
+                      "resize_short_side": round(spec.img_size / spec.crop_pct), "crop": "center",
+                      "interpolation": spec.interpolation, "mean": list(spec.mean), "std": list(spec.std)},
+            "outputs": _outputs(main, proto),
+            "attention": _attention_section(model, explain_outputs),
+            "precision": args.precision,
+            "providers": PROVIDERS[args.precision],
+            "opset": OPSET,
+            "files": files,
+            "op_counts": counts,
+            "fused_attention": fused_attention_count(counts),
+            "parity": parity,
+            "source": {"weights": str(args.weights) if args.weights else "random-init",
+                       **({"weights_sha256": mf.sha256(args.weights)} if args.weights else {}),
+                       **({"training": meta["training"]} if "training" in meta else {})},
+            "versions": mf.package_versions(),
+            "created": mf.now(),
+        }
+        mf.validate(manifest)
+        (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        target = args.out / name
+        _publish(work, target)
+        log(f"wrote {target}")
+        return target
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise

@@ -1,0 +1,35 @@
+"""Reduced-precision variants of an exported fp32 graph.
+
+int8: dynamic quantization for the CPU provider. Only MatMul/Gemm are quantized: the default op list also
+      takes the opset-23 Attention op and mis-quantizes it. Shape pre-processing skips the symbolic shape
+      inference, which asserts on the Attention op.
+fp16: for the CUDA provider, float32 inputs and outputs kept; the explicit attention-row Softmax stays in
+      float32 (LayerNormalization accumulates in float32 by its own definition, stash_type=1).
+"""
+import tempfile
+from pathlib import Path
+
+import onnx
+from onnxruntime.quantization import QuantType, quantize_dynamic
+from onnxruntime.quantization.shape_inference import quant_pre_process
+from onnxruntime.transformers.float16 import convert_float_to_float16
+
+PRECISIONS = ("fp32", "fp16", "int8")
+INT8_OP_TYPES = ["MatMul", "Gemm"]
+
+
+def quantize_int8(src: Path, dst: Path) -> onnx.ModelProto:
+    with tempfile.TemporaryDirectory() as tmp:
+        prepared = Path(tmp) / "prepared.onnx"
+        quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
+        quantize_dynamic(prepared, dst, op_types_to_quantize=INT8_OP_TYPES, weight_type=QuantType.QInt8)
+    return onnx.load(dst)
+
+
+def convert_fp16(src: Path, dst: Path) -> onnx.ModelProto:
+    proto = convert_float_to_float16(onnx.load(src), keep_io_types=True, op_block_list=["Softmax"])
+    onnx.save_model(proto, dst)
+    return proto
+
+
+CONVERTERS = {"int8": quantize_int8, "fp16": convert_fp16}

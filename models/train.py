@@ -1,0 +1,226 @@
+"""Fine-tune (or train from scratch) any registry model on an ImageFolder.
+
+    python -m models.train vit_micro_patch8_96 --data data/shapes --out runs/vit_shapes
+    python -m models.train deit_small_distilled_patch16_224 --img-size 112 --data raf-basic \\
+        --weights deit_small_distilled_patch16_224.pth --replace-head --teacher runs/teacher/model.safetensors
+
+AdamW with a linear warm-up then cosine decay, label smoothing, random-resized-crop / flip / colour
+jitter on the batch, and DeiT's hard distillation with --teacher (the student must be a distilled DeiT):
+    loss = 1/2 CE(class head, label) + 1/2 CE(distillation head, argmax of the teacher's logits).
+
+Writes OUT/model.safetensors (its metadata names the model, image size and labels), OUT/labels.txt,
+OUT/summary.json (the command, per-epoch loss and held-out accuracy) and OUT/checkpoint.pt, from which
+--resume continues an interrupted run.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from .augment import augment
+from .data import DataError, ImageFolder, find_splits, normalise
+from .registry import create_model, get_spec
+from .weights import WeightsError, load_weights
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a registry name (python -c 'import models; print(models.list_models())')")
+    p.add_argument("--data", type=Path, required=True, help="ImageFolder: DIR/train|val/<label>/ or DIR/<label>/")
+    p.add_argument("--out", type=Path, help="output folder (default runs/MODEL)")
+    p.add_argument("--weights", type=Path, help="initial weights (.pth/.pt/.safetensors, timm or official layout)")
+    p.add_argument("--replace-head", action="store_true", help="start a new classifier when --weights has other classes")
+    p.add_argument("--img-size", type=int, help="input size (default: the model's)")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
+    p.add_argument("--min-lr", type=float, default=1e-6)
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--warmup-epochs", type=float, default=2.0)
+    p.add_argument("--label-smoothing", type=float, default=0.1)
+    p.add_argument("--drop-path", type=float, default=0.1, help="stochastic depth rate")
+    p.add_argument("--crop-scale", type=float, default=0.5, help="smallest area fraction of a random crop")
+    p.add_argument("--jitter", type=float, default=0.3, help="brightness/contrast/saturation jitter")
+    p.add_argument("--teacher", type=Path, help="teacher weights for hard distillation")
+    p.add_argument("--teacher-model", help="teacher's registry name (default: from the teacher file's metadata)")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="held out when DATA has no val/ split")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1, help="image-decoding worker processes")
+    p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps (smoke tests)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    args = p.parse_args(argv)
+    args.out = args.out or Path("runs") / args.model
+    args.command = "python -m models.train " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to min_ratio."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases, norms, tokens, position embeddings and bias tables."""
+    skip = model.no_weight_decay()
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def load_teacher(path: Path, name: str | None, num_classes: int) -> nn.Module:
+    """A frozen teacher; its architecture comes from --teacher-model or from our safetensors metadata."""
+    meta = {}
+    if path.suffix == ".safetensors" and path.is_file():
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+    name = name or meta.get("model")
+    if name is None:
+        raise DataError(f"cannot tell the teacher's architecture from {path}; pass --teacher-model")
+    img_size = int(meta["img_size"]) if "img_size" in meta else None
+    teacher = load_weights(create_model(name, num_classes=num_classes, img_size=img_size), path)
+    return teacher.eval().requires_grad_(False)
+
+
+def teacher_targets(teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Hard labels from the teacher, fed the same augmented batch in its own size and normalisation."""
+    size = teacher.spec.img_size
+    if x.shape[-1] != size:
+        x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    with torch.no_grad():
+        return teacher(normalise(x, teacher.spec)).argmax(dim=1)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader) -> float:
+    model.eval()
+    correct = total = 0
+    for images, labels in loader:
+        logits = model(normalise(images.float() / 255, model.spec))
+        correct += (logits.argmax(dim=1) == labels).sum().item()
+        total += len(labels)
+    return correct / total
+
+
+def save_model(model: nn.Module, labels: list[str], out: Path) -> None:
+    meta = {"model": model.spec.name, "img_size": str(model.spec.img_size), "labels": json.dumps(labels)}
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, out / "model.safetensors", metadata=meta)
+    (out / "labels.txt").write_text("\n".join(labels) + "\n")
+
+
+def train(args: argparse.Namespace) -> dict:
+    get_spec(args.model)  # an unknown name fails here, before any data is read
+    labels, train_items, val_items = find_splits(args.data, args.val_fraction, args.seed)
+    torch.manual_seed(args.seed)
+    model = create_model(args.model, num_classes=len(labels), img_size=args.img_size, drop_path_rate=args.drop_path)
+    model.spec = dataclasses.replace(model.spec, labels=tuple(labels))
+    if args.weights:
+        load_weights(model, args.weights, replace_head=args.replace_head)
+    teacher = None
+    if args.teacher:
+        if not getattr(model, "distilled", False):
+            raise DataError(f"--teacher needs a distilled student (a deit_*_distilled_* model), not {args.model}")
+        teacher = load_teacher(args.teacher, args.teacher_model, len(labels))
+        model.distilled_training = True
+
+    spec = model.spec
+    load = dict(size=spec.img_size, crop_pct=spec.crop_pct, interpolation=spec.interpolation)
+    # Training images are decoded at the input size (no centre crop); the random crop is the augmentation.
+    train_set = ImageFolder(train_items, spec.img_size, 1.0, spec.interpolation)
+    val_loader = DataLoader(ImageFolder(val_items, **load), batch_size=args.batch_size * 2, num_workers=args.workers)
+    steps_per_epoch = math.ceil(len(train_set) / args.batch_size)
+    total_steps = args.epochs * steps_per_epoch
+    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+        s, round(args.warmup_epochs * steps_per_epoch), total_steps, args.min_lr / args.lr))
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = args.out / "checkpoint.pt"
+    history, start_epoch, step = [], 0, 0
+    if args.resume and checkpoint_path.is_file():
+        state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        history, start_epoch, step = state["history"], state["epoch"] + 1, state["step"]
+        print(f"resuming after epoch {start_epoch} (step {step})", file=sys.stderr)
+
+    started = time.time()
+    for epoch in range(start_epoch, args.epochs):
+        torch.manual_seed(args.seed + epoch)  # data order and augmentation replay exactly on --resume
+        loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=False,
+                            num_workers=args.workers, persistent_workers=False)
+        model.train()
+        losses = []
+        bar = tqdm(loader, desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr, leave=False)
+        for images, targets in bar:
+            x = augment(images.float() / 255, args.crop_scale, args.jitter)
+            out = model(normalise(x, spec))
+            if teacher is not None:
+                cls_logits, dist_logits = out
+                loss = 0.5 * criterion(cls_logits, targets) + 0.5 * F.cross_entropy(dist_logits, teacher_targets(teacher, x))
+            else:
+                loss = criterion(out, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+            if args.max_steps and step >= args.max_steps:
+                break
+        accuracy = evaluate(model, val_loader)
+        history.append({"epoch": epoch + 1, "loss": sum(losses) / len(losses), "val_accuracy": accuracy})
+        print(f"epoch {epoch + 1}/{args.epochs}: loss {history[-1]['loss']:.4f}, held-out accuracy {accuracy:.4f}",
+              file=sys.stderr)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "history": history, "epoch": epoch, "step": step},
+                   checkpoint_path)
+        if args.max_steps and step >= args.max_steps:
+            break
+
+    save_model(model, labels, args.out)
+    summary = {
+        "model": args.model,
+        "command": args.command,
+        "labels": labels,
+        "train_images": len(train_set),
+        "val_images": len(val_items),
+        "val_accuracy": history[-1]["val_accuracy"] if history else None,
+        "history": history,
+        "seconds": round(time.time() - started, 1),
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        summary = train(args)
+    except (DataError, WeightsError, KeyError) as e:
+        sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) else e}")
+    print(f"held-out accuracy {summary['val_accuracy']:.4f}; weights in {args.out / 'model.safetensors'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

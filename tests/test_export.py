@@ -1,0 +1,142 @@
+"""The exporter: fused attention, dynamic batch, the parity gate, the manifest, and clean failures."""
+import json
+
+import jsonschema
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from safetensors.torch import load_file, save_file
+
+import models
+from export.__main__ import main as export_main
+from export.graph import MainGraph, unfused_attention
+from export.manifest import sha256, validate
+from export.parity import ParityError, check_fp32, check_reduced, gate_inputs
+from models.synthetic import __main__ as synthetic
+
+MICRO = {"vit": "vit_micro_patch8_96", "deit": "deit_micro_distilled_patch8_96", "swin": "swin_micro_patch4_window6_96"}
+BLOCKS = {"vit": 4, "deit": 4, "swin": 6}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    """The three micro architectures, exported once from seeded random weights."""
+    out = tmp_path_factory.mktemp("repo")
+    torch.manual_seed(0)
+    for arch, name in MICRO.items():
+        weights = out / f"{arch}.safetensors"
+        save_file(models.create_model(name).state_dict(), weights)
+        export_main([name, "--weights", str(weights), "--name", arch, "--out", str(out)])
+    return out
+
+
+def manifest(repo, arch: str) -> dict:
+    return json.loads((repo / arch / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("arch", MICRO)
+def test_attention_is_fused_in_every_block(repo, arch):
+    m = manifest(repo, arch)
+    assert m["op_counts"]["Attention"] == m["fused_attention"] == BLOCKS[arch]
+    graph = onnx.load(repo / arch / "model.onnx")
+    assert graph.opset_import[0].version == 23 and unfused_attention(graph) == []
+
+
+@pytest.mark.parametrize("arch", MICRO)
+def test_dynamic_batch_gives_the_same_per_item_outputs(repo, arch):
+    session = ort.InferenceSession(repo / arch / "model.onnx", providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((8, 3, 96, 96)).astype(np.float32)
+    full = session.run(None, {"pixel_values": x})
+    for batch in (1, 3):
+        for start in range(0, 8 - batch + 1, batch):
+            part = session.run(None, {"pixel_values": x[start:start + batch]})
+            for a, b in zip(part, full):
+                np.testing.assert_allclose(a, b[start:start + batch], atol=1e-5)
+
+
+def test_manifest_validates_and_describes_the_graph(repo):
+    m = manifest(repo, "deit")
+    validate(m)
+    assert m["files"]["model"]["sha256"] == sha256(repo / "deit" / "model.onnx")
+    assert m["files"]["explain"]["sha256"] == sha256(repo / "deit" / "explain.onnx")
+    assert [o["name"] for o in m["outputs"]] == ["logits", "cls_attention", "dist_attention"]
+    assert m["outputs"][1]["shape"] == ["batch", 4, 144]
+    assert m["attention"] == {"method": "cls_row", "grid": [12, 12], "heads": 4,
+                              "outputs": {"cls": "cls_attention", "dist": "dist_attention"},
+                              "explain_outputs": ["attention_0", "attention_1", "attention_2", "attention_3"]}
+    assert m["input"]["mean"] == [0.5, 0.5, 0.5] and m["input"]["resize_short_side"] == 96
+    assert m["parity"]["logits_max_abs_diff"] <= 1e-4 and m["parity"]["top1_agreement"] == 1.0
+    swin = manifest(repo, "swin")
+    assert swin["attention"]["method"] == "window_received" and swin["attention"]["grid"] == [6, 6]
+    assert "explain" not in swin["files"]
+    broken = {k: v for k, v in m.items() if k != "labels"}
+    with pytest.raises(jsonschema.ValidationError, match="'labels' is a required property"):
+        validate(broken)
+
+
+def test_explain_graph_gives_every_blocks_attention(repo):
+    session = ort.InferenceSession(repo / "vit" / "explain.onnx", providers=["CPUExecutionProvider"])
+    outputs = session.run(None, {"pixel_values": np.zeros((2, 3, 96, 96), np.float32)})
+    assert len(outputs) == 4 and all(o.shape == (2, 4, 145, 145) for o in outputs)
+    np.testing.assert_allclose(outputs[-1].sum(-1), 1.0, atol=1e-5)
+
+
+def _perturbed_copy(repo, arch: str, tmp_path, scale: float):
+    graph = onnx.load(repo / arch / "model.onnx")
+    for init in graph.graph.initializer:
+        if "head" in init.name and init.name.endswith("weight"):
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * scale, init.name))
+    path = tmp_path / "perturbed.onnx"
+    onnx.save(graph, path)
+    return ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+
+
+def test_parity_gate_rejects_a_perturbed_graph(repo, tmp_path):
+    model = models.create_model(MICRO["vit"])
+    model.load_state_dict(load_file(repo / "vit.safetensors"))
+    main, inputs = MainGraph(model), gate_inputs(model.spec)
+    good = ort.InferenceSession(repo / "vit" / "model.onnx", providers=["CPUExecutionProvider"])
+    assert check_fp32(good, main, inputs)["logits_max_abs_diff"] < 1e-4
+    with pytest.raises(ParityError, match="differs from PyTorch"):
+        check_fp32(_perturbed_copy(repo, "vit", tmp_path, 1.001), main, inputs)
+    with pytest.raises(ParityError, match="top-1 agreement with the fp32 graph"):
+        check_reduced(_perturbed_copy(repo, "vit", tmp_path, -1.0), good, inputs)
+
+
+def test_unfused_attention_is_detected():
+    nodes = [helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Mul", ["s", "scale"], ["z"]),
+             helper.make_node("Softmax", ["z"], ["p"], name="attn_softmax"), helper.make_node("MatMul", ["p", "v"], ["o"])]
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, f, None) for n in ("q", "kt", "v")],
+                              [helper.make_tensor_value_info("o", f, None)],
+                              [numpy_helper.from_array(np.array(0.125, np.float32), "scale")])
+    assert unfused_attention(helper.make_model(graph)) == ["attn_softmax"]
+
+
+def test_int8_export_is_gated_on_held_out_images(repo, tmp_path):
+    synthetic.main(["shapes", "--out", str(tmp_path / "data"), "--train", "0", "--val", "24", "--workers", "1"])
+    export_main([MICRO["vit"], "--weights", str(repo / "vit.safetensors"), "--precision", "int8", "--name", "vit-int8",
+                 "--eval-data", str(tmp_path / "data" / "val"), "--out", str(tmp_path), "--no-explain"])
+    m = json.loads((tmp_path / "vit-int8" / "manifest.json").read_text())
+    assert m["precision"] == "int8" and m["providers"] == ["CPUExecutionProvider"]
+    assert m["op_counts"]["Attention"] == 4 and m["op_counts"].get("DynamicQuantizeLinear", 0) > 0
+    int8 = m["parity"]["int8"]
+    assert int8["agreement_on"] == "heldout" and int8["inputs"]["heldout"]["images"] == 24
+    assert int8["top1_agreement"] >= 0.99 and 0 <= int8["heldout_accuracy"] <= 1
+
+
+def test_failures_are_clear_and_leave_nothing_behind(repo, tmp_path, capsys):
+    out = tmp_path / "repo"
+    with pytest.raises(SystemExit, match="unknown model 'vit_huge'"):
+        export_main(["vit_huge", "--random-init", "--out", str(out)])
+    with pytest.raises(SystemExit, match="pass --weights PATH, or --random-init"):
+        export_main([MICRO["vit"], "--out", str(out)])
+    with pytest.raises(SystemExit, match="does not fit swin_micro_patch4_window6_96"):
+        export_main([MICRO["swin"], "--weights", str(repo / "vit.safetensors"), "--out", str(out)])
+    assert list(out.iterdir()) == []  # no half-written model folder, hidden or not
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit, match="cannot write to"):
+        export_main([MICRO["vit"], "--random-init", "--out", str(tmp_path / "a-file" / "repo")])
