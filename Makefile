@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-slow demo-data demo-weights clean
+.PHONY: install test test-slow serve models demo-data demo-weights clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,28 @@ DEMO := models/demo
 SHAPES := data/shapes
 FACES := data/faces
 RECIPE := --lr 1e-3 --batch-size 64 --warmup-epochs 1 --crop-scale 0.85 --jitter 0.1 --drop-path 0.05
+
+# The service on the embedded model repository (settings: VITSERVE_* variables, see README).
+serve: install
+	$(BIN)/python -m service
+
+# Rebuild the embedded model repository from the committed demo weights. The held-out splits (the same
+# images the demo runs were scored on) feed the int8 gate and the accuracies in the manifests.
+REPO := model_repository
+EXPORT := $(BIN)/python -m export
+models: install
+	$(BIN)/python -m models.synthetic shapes --out $(SHAPES) --train 0 --val 1200 --seed 0
+	$(BIN)/python -m models.synthetic faces --out $(FACES) --train 0 --val 1400 --seed 0
+	$(EXPORT) vit_micro_patch8_96 --weights $(DEMO)/vit_micro_patch8_96/model.safetensors --name shapes-vit \
+		--eval-data $(SHAPES)/val --out $(REPO)
+	$(EXPORT) vit_micro_patch8_96 --weights $(DEMO)/vit_micro_patch8_96/model.safetensors --name shapes-vit-int8 \
+		--precision int8 --no-explain --eval-data $(SHAPES)/val --out $(REPO)
+	$(EXPORT) deit_micro_distilled_patch8_96 --weights $(DEMO)/deit_micro_distilled_patch8_96/model.safetensors \
+		--name shapes-deit --eval-data $(SHAPES)/val --out $(REPO)
+	$(EXPORT) swin_micro_patch4_window6_96 --weights $(DEMO)/swin_micro_patch4_window6_96/model.safetensors \
+		--name shapes-swin --eval-data $(SHAPES)/val --out $(REPO)
+	$(EXPORT) vit_micro_patch16_fer_112 --weights $(DEMO)/vit_micro_patch16_fer_112/model.safetensors \
+		--name expression-vit --eval-data $(FACES)/val --out $(REPO)
 
 demo-data: install
 	$(BIN)/python -m models.synthetic shapes --out $(SHAPES) --train 20000 --val 1200 --seed 0

@@ -1,0 +1,100 @@
+"""Torch eager vs ONNX Runtime fp32 vs ONNX Runtime int8 on the CPU, interleaved in one run.
+
+    python bench/export_speed.py                       # DeiT-S and Swin-T at batch 1 and 16
+    python bench/export_speed.py --models deit_tiny_patch16_224 --batches 1 8 --rounds 10
+
+All run the served graph (logits plus the attention outputs) from the same random weights; ONNX Runtime at
+each graph optimisation level (basic: constant folding and redundancy removal; extended: also operator
+fusions such as SkipLayerNorm, BiasGelu and the int8 DynamicQuantizeMatMul; all: also layout changes).
+Each round times every variant once, in a shuffled order, so drift in the machine's speed hits all of them
+alike; the figures are medians over rounds. Graphs are exported once into --cache.
+"""
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import onnxruntime as ort
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from export.graph import INPUT, MainGraph, export_graph  # noqa: E402
+from export.precision import quantize_int8  # noqa: E402
+from models import create_model  # noqa: E402
+
+
+def ort_session(path: Path, level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+    options = ort.SessionOptions()
+    options.graph_optimization_level = level
+    options.intra_op_num_threads = os.cpu_count()
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def variants(name: str, cache: Path) -> tuple[dict, int]:
+    """The callables to compare, each taking a float32 NCHW batch, and the model's input size."""
+    torch.manual_seed(0)
+    main = MainGraph(create_model(name))
+    fp32, int8 = cache / f"{name}.onnx", cache / f"{name}.int8.onnx"
+    if not fp32.exists():
+        print(f"exporting {name} ...", file=sys.stderr)
+        export_graph(main, main.model.spec.img_size, fp32)
+    if not int8.exists():
+        quantize_int8(fp32, int8)
+    levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    sessions = {f"ort {precision} {level}": ort_session(path, value)
+                for precision, path in (("fp32", fp32), ("int8", int8)) for level, value in levels.items()}
+
+    def torch_call(x):
+        with torch.inference_mode():
+            return main(torch.from_numpy(x))
+
+    calls = {"torch eager": torch_call}
+    calls.update({k: (lambda s: lambda x: s.run(None, {INPUT: x}))(s) for k, s in sessions.items()})
+    return calls, main.model.spec.img_size
+
+
+def bench(calls: dict, batch: int, size: int, rounds: int, repeat: int) -> dict[str, float]:
+    """Median seconds per call of each variant, interleaved round by round."""
+    x = torch.randn(batch, 3, size, size).numpy()
+    for call in calls.values():  # warm-up: first-run allocations, kernel selection
+        call(x)
+    times = {k: [] for k in calls}
+    for _ in range(rounds):
+        order = list(calls)
+        random.shuffle(order)
+        for k in order:
+            start = time.perf_counter()
+            for _ in range(repeat):
+                calls[k](x)
+            times[k].append((time.perf_counter() - start) / repeat)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["deit_small_patch16_224", "swin_tiny_patch4_window7_224"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--cache", type=Path, default=Path("build/bench"))
+    args = p.parse_args()
+    args.cache.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(os.cpu_count())
+    print(f"CPU threads: {os.cpu_count()}, torch {torch.__version__}, onnxruntime {ort.__version__}")
+    header = f"{'model':<30} {'batch':>5} {'variant':<18} {'ms/batch':>9} {'img/s':>7} {'vs torch':>9} {'int8 vs fp32':>12}"
+    print(header)
+    print("-" * len(header))
+    for name in args.models:
+        calls, size = variants(name, args.cache)
+        for batch in args.batches:
+            med = bench(calls, batch, size, args.rounds, repeat=4 if batch == 1 else 1)
+            for k, t in med.items():
+                vs_fp32 = f"{med[k.replace('int8', 'fp32')] / t:>11.2f}x" if "int8" in k else ""
+                print(f"{name:<30} {batch:>5} {k:<18} {t * 1e3:>9.1f} {batch / t:>7.1f} {med['torch eager'] / t:>8.2f}x {vs_fp32}")
+
+
+if __name__ == "__main__":
+    main()

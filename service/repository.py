@@ -1,0 +1,106 @@
+"""The model repository: one folder per model with manifest.json and the ONNX graphs it lists.
+
+Every manifest is validated against schemas/manifest.schema.json and every graph against its sha256
+before it is served. A folder that fails is reported with the reason and not served; the others are.
+"""
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import jsonschema
+
+from .preprocess import InputPolicy
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "manifest.schema.json"
+
+
+class RepositoryError(ValueError):
+    """A model folder that cannot be served; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    folder: Path
+    manifest: dict
+
+    @property
+    def name(self) -> str:
+        return self.manifest["name"]
+
+    @property
+    def task(self) -> str:
+        return self.manifest["task"]
+
+    @property
+    def labels(self) -> list[str]:
+        return self.manifest["labels"]
+
+    @property
+    def precision(self) -> str:
+        return self.manifest["precision"]
+
+    @property
+    def policy(self) -> InputPolicy:
+        return InputPolicy.from_manifest(self.manifest["input"])
+
+    def path(self, file: str = "model") -> Path:
+        return self.folder / self.manifest["files"][file]["path"]
+
+    def has(self, file: str) -> bool:
+        return file in self.manifest["files"]
+
+
+@cache
+def _schema() -> dict:
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_file(entry: ModelEntry, file: str) -> Path:
+    """The path of one of the entry's graphs, after checking it is there and its sha256 matches."""
+    path, expected = entry.path(file), entry.manifest["files"][file]["sha256"]
+    if not path.is_file():
+        raise RepositoryError(f"{entry.name}: {path.name} is missing")
+    if sha256(path) != expected:
+        raise RepositoryError(f"{entry.name}: {path.name} does not match the sha256 in its manifest")
+    return path
+
+
+def read_entry(folder: Path) -> ModelEntry:
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        jsonschema.validate(manifest, _schema())
+    except json.JSONDecodeError as e:
+        raise RepositoryError(f"{folder.name}: manifest.json is not JSON ({e})") from None
+    except jsonschema.ValidationError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise RepositoryError(f"{folder.name}: manifest.json is invalid at {where}: {e.message}") from None
+    entry = ModelEntry(folder, manifest)
+    verify_file(entry, "model")
+    return entry
+
+
+def scan(root: Path) -> tuple[list[ModelEntry], dict[str, str]]:
+    """The servable entries (sorted by name) and, by folder name, why the others are not."""
+    if not root.is_dir():
+        raise RepositoryError(f"no model repository at {root}")
+    entries, problems = [], {}
+    for folder in sorted(p for p in root.iterdir() if (p / "manifest.json").is_file()):
+        try:
+            entries.append(read_entry(folder))
+        except (RepositoryError, OSError) as e:
+            problems[folder.name] = str(e)
+    names = [e.name for e in entries]
+    duplicates = {n for n in names if names.count(n) > 1}
+    if duplicates:
+        raise RepositoryError(f"several folders declare the model name(s) {', '.join(sorted(duplicates))}")
+    return entries, problems

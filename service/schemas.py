@@ -1,0 +1,51 @@
+"""Response bodies of the HTTP API (the OpenAPI docs at /docs are generated from these)."""
+from pydantic import BaseModel, Field
+
+
+class Prediction(BaseModel):
+    label: str
+    index: int = Field(description="class index in the model's labels")
+    score: float = Field(description="softmax probability")
+
+
+class Timings(BaseModel):
+    decode_ms: float = Field(description="decoding and preprocessing this image")
+    queue_ms: float = Field(description="waiting for its batch to start")
+    inference_ms: float = Field(description="compute time of the batch it ran in")
+    total_ms: float = Field(description="the whole request, as the server saw it")
+
+
+class ImageResult(BaseModel):
+    id: str = Field(description="this image's result id (the attention map's key with attention=true)")
+    filename: str | None
+    predictions: list[Prediction]
+    batch_size: int = Field(description="images in the inference batch this one ran in")
+    timings_ms: Timings
+    attention_map_url: str | None = None
+
+
+class ClassifyResponse(BaseModel):
+    model: str
+    results: list[ImageResult]
+
+
+class ModelInfo(BaseModel):
+    name: str
+    architecture: str
+    family: str
+    task: str
+    labels: list[str]
+    input_size: list[int]
+    precision: str
+    provider: str | None = Field(description="the ONNX Runtime provider it runs on, once loaded")
+    ready: bool
+    error: str | None = None
+    attention: dict = Field(description="how attention maps are computed for this model")
+    explain: bool = Field(description="whether rollout maps are available (explain.onnx)")
+    parity: dict = Field(description="the export's parity figures, from the manifest")
+
+
+class ModelsResponse(BaseModel):
+    default_model: str | None
+    models: list[ModelInfo]
+    not_served: dict[str, str] = Field(description="repository folders that failed validation, with why")

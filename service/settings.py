@@ -1,0 +1,34 @@
+"""Service settings, read from the environment (prefix VITSERVE_, e.g. VITSERVE_MAX_BATCH_SIZE=32)."""
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+EMBEDDED_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VITSERVE_", env_file=".env", extra="ignore",
+                                      protected_namespaces=())
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    model_repository: Path = EMBEDDED_REPOSITORY
+    default_model: str | None = Field(None, description="model for requests that name none (default: the first "
+                                                        "classification model, by name)")
+    max_batch_size: int = Field(16, ge=1, le=1024, description="images per inference call")
+    max_queue_delay_ms: float = Field(5.0, ge=0, description="how long the oldest queued image may wait for a batch to fill")
+    queue_limit: int = Field(256, ge=1, description="queued images per model beyond which requests get 503")
+    request_timeout_s: float = Field(30.0, gt=0, description="longest wait for a result before 503")
+    max_upload_bytes: int = Field(16 * 2**20, ge=1, description="request body limit; larger requests get 413")
+    max_image_pixels: int = Field(50_000_000, ge=1, description="decoded image size limit (decompression bombs)")
+    max_files: int = Field(64, ge=1, description="images per /classify request")
+    providers: list[str] | None = Field(None, description="ONNX Runtime providers to try, best first "
+                                                          "(default: CUDA if it starts here, then CPU)")
+    intra_op_threads: int = Field(0, ge=0, description="threads per inference (0: one per core)")
+    decode_threads: int = Field(0, ge=0, description="image-decoding threads (0: one per core, at most 8)")
+    warmup_runs: int = Field(2, ge=0, description="inference runs per model and batch size before ready")
+    retry_after_s: int = Field(1, ge=1, description="the Retry-After of 503 answers")
+    attention_cache_items: int = Field(1024, ge=1, description="attention results kept for GET /attention-map")
+    attention_cache_bytes: int = Field(256 * 2**20, ge=1, description="memory those results may take")
+    attention_ttl_s: float = Field(600.0, gt=0, description="how long an attention result stays retrievable")

@@ -1,0 +1,62 @@
+"""Start the real service (`python -m service`) on a free loopback port, for end-to-end tests."""
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from PIL import Image
+from skimage import data as photos
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_service(wait_ready: bool = True, **settings) -> Iterator[str]:
+    """Yield the base URL of a service started with VITSERVE_<NAME> settings; stop it afterwards."""
+    port = free_port()
+    env = {**os.environ, **{f"VITSERVE_{k.upper()}": str(v) for k, v in settings.items()}}
+    proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(url, "/health/ready" if wait_ready else "/health/live", proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_for(url: str, path: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the service exited with {proc.returncode}:\n{proc.stdout.read().decode()}")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url}{path} did not answer 200 within {timeout}s")
+
+
+def photo_bytes(name: str, fmt: str) -> bytes:
+    """A real photograph from scikit-image, encoded as JPEG or PNG."""
+    buf = io.BytesIO()
+    Image.fromarray(getattr(photos, name)()).save(buf, format=fmt)
+    return buf.getvalue()

@@ -1,0 +1,184 @@
+"""End to end: the real server on a loopback port, the embedded model repository, real photographs."""
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.http as triton
+from service_process import ROOT, photo_bytes, running_service
+
+from service.preprocess import InputPolicy, prepare
+
+REPO = ROOT / "model_repository"
+JPEG, PNG = photo_bytes("chelsea", "JPEG"), photo_bytes("astronaut", "PNG")
+
+
+@pytest.fixture(scope="module")
+def url():
+    with running_service(max_upload_bytes=2_000_000, max_queue_delay_ms=30) as base:
+        yield base
+
+
+def classify(url: str, *uploads: tuple[str, bytes], field: str = "file", **params) -> httpx.Response:
+    files = [(field, (name, data)) for name, data in uploads]
+    return httpx.post(f"{url}/classify", files=files, params=params, timeout=30)
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """One sample's value from Prometheus text (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        match = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
+        if match and ",".join(sorted(match.group(1).split(","))) == want:
+            return float(match.group(2))
+    return 0.0
+
+
+def test_one_jpeg_and_one_png(url):
+    default = httpx.get(f"{url}/models").json()["default_model"]
+    for name, data in (("chelsea.jpg", JPEG), ("astronaut.png", PNG)):
+        r = classify(url, (name, data), top_k=3)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == default
+        (result,) = body["results"]
+        assert result["filename"] == name and len(result["id"]) == 32
+        scores = [p["score"] for p in result["predictions"]]
+        assert len(scores) == 3 and scores == sorted(scores, reverse=True) and 0 < sum(scores) <= 1 + 1e-6
+        labels = json.loads((REPO / default / "manifest.json").read_text())["labels"]
+        assert all(labels[p["index"]] == p["label"] for p in result["predictions"])
+        assert set(result["timings_ms"]) == {"decode_ms", "queue_ms", "inference_ms", "total_ms"}
+
+
+def test_several_files_are_separate_items_of_one_batch(url):
+    r = classify(url, ("a.jpg", JPEG), ("b.png", PNG), ("c.jpg", JPEG), field="files", top_k=1)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["filename"] for x in results] == ["a.jpg", "b.png", "c.jpg"]
+    assert results[0]["predictions"] == results[2]["predictions"]  # the same photo, the same answer
+    assert all(x["batch_size"] >= 3 for x in results)
+
+
+def test_scores_equal_a_direct_onnx_runtime_session(url):
+    manifest = json.loads((REPO / "shapes-swin" / "manifest.json").read_text())
+    x, _ = prepare(JPEG, InputPolicy.from_manifest(manifest["input"]), 10**8)
+    session = ort.InferenceSession(REPO / "shapes-swin" / "model.onnx", providers=["CPUExecutionProvider"])
+    logits = session.run(["logits"], {"pixel_values": x[None]})[0][0].astype(np.float64)
+    probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    r = classify(url, ("chelsea.jpg", JPEG), model="shapes-swin", top_k=6)
+    got = {p["index"]: p["score"] for p in r.json()["results"][0]["predictions"]}
+    np.testing.assert_allclose([got[i] for i in range(6)], probs, atol=1e-5)
+
+
+def test_top_k_bounds(url):
+    assert len(classify(url, ("a.jpg", JPEG), top_k=100).json()["results"][0]["predictions"]) == 6  # all classes
+    assert len(classify(url, ("a.jpg", JPEG), top_k=1).json()["results"][0]["predictions"]) == 1
+    for bad in (0, 101, "many"):
+        r = classify(url, ("a.jpg", JPEG), top_k=bad)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+        assert "top_k" in r.json()["error"]["message"]
+
+
+def test_bad_requests_get_clear_json_errors_and_the_server_keeps_serving(url):
+    cases = [
+        (classify(url, ("a.jpg", JPEG), model="no-such-model"), 404, "model_not_found", "no model named"),
+        (classify(url, ("notes.txt", b"just some text")), 415, "unsupported_media_type", "not an image"),
+        (classify(url, ("cut.jpg", JPEG[: len(JPEG) // 3])), 400, "bad_image", "could not be decoded"),
+        (classify(url, ("big.png", b"\0" * 2_100_000)), 413, "too_large", "limit"),
+        (httpx.post(f"{url}/classify", timeout=10), 400, "no_image", "multipart field 'file'"),
+        (httpx.get(f"{url}/nowhere", timeout=10), 404, "not_found", "Not Found"),
+    ]
+    for response, status, code, words in cases:
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["code"] == code and words in response.json()["error"]["message"]
+    assert classify(url, ("a.jpg", JPEG)).status_code == 200
+
+
+def test_models_lists_every_model_with_provider_and_readiness(url):
+    body = httpx.get(f"{url}/models").json()
+    names = {m["name"]: m for m in body["models"]}
+    assert {"shapes-vit", "shapes-vit-int8", "shapes-deit", "shapes-swin", "expression-vit"} <= set(names)
+    assert body["default_model"] == "shapes-deit"  # the first classification model by name
+    for m in names.values():
+        assert m["ready"] and m["provider"] == "CPUExecutionProvider" and m["error"] is None
+    assert names["shapes-vit-int8"]["precision"] == "int8" and names["expression-vit"]["task"] == "expression"
+    assert names["shapes-deit"]["explain"] and not names["shapes-swin"]["explain"]
+
+
+def test_batches_form_under_concurrent_requests_and_metrics_move(url):
+    before = httpx.get(f"{url}/metrics").text
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)},
+                                                      params={"model": "shapes-deit"}) for _ in range(24)))
+
+    responses = asyncio.run(burst())
+    assert all(r.status_code == 200 for r in responses)
+    assert max(r.json()["results"][0]["batch_size"] for r in responses) > 1
+    after = httpx.get(f"{url}/metrics").text
+    model = {"model": "shapes-deit"}
+    batches = metric(after, "vitserve_batch_size_count", **model) - metric(before, "vitserve_batch_size_count", **model)
+    singles = (metric(after, "vitserve_batch_size_bucket", le="1.0", **model)
+               - metric(before, "vitserve_batch_size_bucket", le="1.0", **model))
+    assert 0 < batches < 24 and singles < batches  # fewer inference calls than images: batches > 1 formed
+    images = metric(after, "vitserve_images_total", **model) - metric(before, "vitserve_images_total", **model)
+    assert images == 24
+    requests = {"route": "/classify", "method": "POST", "status": "200"}
+    assert metric(after, "vitserve_requests_total", **requests) - metric(before, "vitserve_requests_total", **requests) == 24
+    assert metric(after, "vitserve_model_info", model="shapes-deit", architecture="deit_micro_distilled_patch8_96",
+                  task="classification", precision="fp32", provider="CPUExecutionProvider") == 1
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_tritonclient_round_trip_on_v2(url, binary):
+    client = triton.InferenceServerClient(url=url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("shapes-deit")
+    meta = client.get_model_metadata("shapes-deit")
+    assert meta["inputs"][0] == {"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, 96, 96]}
+    x = np.random.default_rng(0).standard_normal((3, 3, 96, 96)).astype(np.float32)
+    inp = triton.InferInput("pixel_values", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    outputs = [triton.InferRequestedOutput("logits", binary_data=binary),
+               triton.InferRequestedOutput("dist_attention", binary_data=not binary)]
+    result = client.infer("shapes-deit", [inp], outputs=outputs)
+    session = ort.InferenceSession(REPO / "shapes-deit" / "model.onnx", providers=["CPUExecutionProvider"])
+    logits, _, dist = session.run(None, {"pixel_values": x})
+    np.testing.assert_allclose(result.as_numpy("logits"), logits, atol=1e-5)
+    np.testing.assert_allclose(result.as_numpy("dist_attention"), dist, atol=1e-6)
+    assert client.infer("shapes-deit", [inp]).as_numpy("cls_attention").shape == (3, 4, 144)  # all outputs
+    with pytest.raises(triton.InferenceServerException, match="no model 'nope'"):
+        client.get_model_metadata("nope")
+
+
+def test_v2_rejects_malformed_tensors(url):
+    bad = {"inputs": [{"name": "pixel_values", "shape": [1, 3, 32, 32], "datatype": "FP32", "data": [0.0] * 3072}]}
+    r = httpx.post(f"{url}/v2/models/shapes-vit/infer", json=bad)
+    assert r.status_code == 400 and "takes [-1, 3, 96, 96]" in r.json()["error"]  # the protocol's error shape
+
+
+def test_openapi_docs_describe_the_routes(url):
+    assert httpx.get(f"{url}/docs").status_code == 200
+    spec = httpx.get(f"{url}/openapi.json").json()
+    assert {"/classify", "/models", "/health/ready", "/v2/models/{name}/infer"} <= set(spec["paths"])
+    assert "curl -F file=@cat.jpg" in spec["paths"]["/classify"]["post"]["description"]
+
+
+def test_readiness_waits_for_warm_up_and_a_full_queue_gets_503():
+    with running_service(wait_ready=False, warmup_runs=60, queue_limit=2) as base:
+        early = httpx.get(f"{base}/health/ready")
+        assert early.status_code == 503 and early.headers["Retry-After"] == "1"
+        assert early.json()["error"]["code"] == "not_ready"
+        assert httpx.get(f"{base}/health/live").status_code == 200
+        assert httpx.get(f"{base}/v2/health/ready").status_code == 400
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{base}/health/ready").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        full = classify(base, ("a.jpg", JPEG), ("b.jpg", JPEG), ("c.jpg", JPEG), field="files")
+        assert full.status_code == 503 and full.headers["Retry-After"] == "1"
+        assert "limit is 2" in full.json()["error"]["message"]
+        assert classify(base, ("a.jpg", JPEG)).status_code == 200
