@@ -10,7 +10,7 @@ from . import errors
 from .cache import AttentionCache
 from .metrics import Metrics
 from .pool import ModelPool
-from .routers import classify, health, kserve, models
+from .routers import attention, classify, expression, health, kserve, models
 from .settings import Settings
 
 log = logging.getLogger("vitserve")
@@ -104,7 +104,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.attention_cache = AttentionCache(settings.attention_cache_items, settings.attention_cache_bytes,
                                                settings.attention_ttl_s)
     errors.install(app)
-    for router in (classify.router, models.router, health.router, kserve.router):
+    for router in (classify.router, expression.router, attention.router, models.router, health.router,
+                   kserve.router):
         app.include_router(router)
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics")

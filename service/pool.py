@@ -18,7 +18,7 @@ from .batching import Batcher, QueueFull, Result
 from .errors import APIError, overloaded
 from .metrics import Metrics
 from .preprocess import prepare
-from .repository import ModelEntry, RepositoryError, scan
+from .repository import ModelEntry, RepositoryError, scan, verify_file
 from .runtime import CPU, CUDA, Runner
 from .settings import Settings
 
@@ -30,6 +30,7 @@ class ServedModel:
     entry: ModelEntry
     runner: Runner | None = None
     batcher: Batcher | None = None
+    explainer: Runner | None = None  # explain.onnx, opened on first use
     ready: bool = False
     error: str | None = None
 
@@ -79,7 +80,7 @@ class ModelPool:
             try:
                 if entry.precision == "fp16" and not cuda:
                     raise RepositoryError("fp16 graphs are served on CUDA only, and CUDA is not usable here")
-                providers = self.settings.providers or entry.manifest.get("providers") or [CUDA, CPU]
+                providers = self._providers(entry)
                 variant = self.models.get(f"{entry.name}-fp16")
                 path = variant.entry.path() if cuda and variant is not None else entry.path()
                 served.runner = await loop.run_in_executor(
@@ -149,6 +150,23 @@ class ModelPool:
         x, seconds = await asyncio.get_running_loop().run_in_executor(self.decode, work)
         self.metrics.decode_seconds.observe(seconds)
         return x, seconds
+
+    def _providers(self, entry: ModelEntry) -> list[str]:
+        return self.settings.providers or entry.manifest.get("providers") or [CUDA, CPU]
+
+    async def explain(self, served: ServedModel, x: np.ndarray) -> list[np.ndarray]:
+        """Every layer's attention probabilities for one image, from explain.onnx (opened on first use)."""
+        if not served.entry.has("explain"):
+            raise APIError(400, "rollout_unavailable", f"{served.name} has no explain graph; use method=last")
+
+        def work() -> list[np.ndarray]:
+            if served.explainer is None:  # only the inference thread gets here: no race
+                path = verify_file(served.entry, "explain")
+                served.explainer = Runner(path, self._providers(served.entry), self.settings.intra_op_threads)
+            outputs = served.explainer.run(x[None])
+            return [outputs[name][0] for name in served.entry.manifest["attention"]["explain_outputs"]]
+
+        return await asyncio.get_running_loop().run_in_executor(self.inference, work)
 
     async def infer(self, served: ServedModel, images: list[np.ndarray]) -> list[Result]:
         """Each image through the model's batcher; 503 with Retry-After when the queue is full or slow."""

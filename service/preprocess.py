@@ -40,15 +40,16 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def decode(data: bytes, min_short_side: int, max_pixels: int) -> Image.Image:
-    """Bytes -> upright RGB image whose short side is still >= min_short_side (when the original's was)."""
+def decode(data: bytes, min_short_side: int | None, max_pixels: int) -> Image.Image:
+    """Bytes -> upright RGB image. With `min_short_side`, a JPEG may decode reduced (draft mode) as long as
+    its short side stays >= min_short_side; without, at full size."""
     try:
         image = Image.open(io.BytesIO(data))
         width, height = image.size
         if width * height > max_pixels:
             raise APIError(413, "image_too_large",
                            f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}")
-        if image.format == "JPEG":
+        if image.format == "JPEG" and min_short_side:
             image.draft("RGB", (min_short_side, min_short_side))
         image = ImageOps.exif_transpose(image)
         return _to_rgb(image)

@@ -49,3 +49,27 @@ class ModelsResponse(BaseModel):
     default_model: str | None
     models: list[ModelInfo]
     not_served: dict[str, str] = Field(description="repository folders that failed validation, with why")
+
+
+class Face(BaseModel):
+    id: str = Field(description="this face's result id (the attention map's key with attention=true)")
+    box: list[int] = Field(description="[x, y, width, height] in the uploaded image's pixels (after EXIF rotation)")
+    expression: str = Field(description="the most probable expression")
+    score: float
+    probabilities: dict[str, float] = Field(description="every expression, in the model's label order")
+    batch_size: int = Field(description="faces in the inference batch this one ran in")
+    attention_map_url: str | None = None
+
+
+class ExpressionTimings(BaseModel):
+    decode_detect_ms: float = Field(description="decoding, face detection and cropping")
+    queue_ms: float
+    inference_ms: float
+    total_ms: float
+
+
+class ExpressionResponse(BaseModel):
+    model: str
+    image_size: list[int] = Field(description="[width, height] after EXIF rotation")
+    faces: list[Face]
+    timings_ms: ExpressionTimings

@@ -1,6 +1,7 @@
 """Start the real service (`python -m service`) on a free loopback port, for end-to-end tests."""
 import io
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -60,3 +61,13 @@ def photo_bytes(name: str, fmt: str) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(getattr(photos, name)()).save(buf, format=fmt)
     return buf.getvalue()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """One sample's value from Prometheus text (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        match = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
+        if match and ",".join(sorted(match.group(1).split(","))) == want:
+            return float(match.group(2))
+    return 0.0

@@ -1,7 +1,6 @@
 """End to end: the real server on a loopback port, the embedded model repository, real photographs."""
 import asyncio
 import json
-import re
 import time
 
 import httpx
@@ -9,7 +8,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.http as triton
-from service_process import ROOT, photo_bytes, running_service
+from service_process import ROOT, metric, photo_bytes, running_service
 
 from service.preprocess import InputPolicy, prepare
 
@@ -26,16 +25,6 @@ def url():
 def classify(url: str, *uploads: tuple[str, bytes], field: str = "file", **params) -> httpx.Response:
     files = [(field, (name, data)) for name, data in uploads]
     return httpx.post(f"{url}/classify", files=files, params=params, timeout=30)
-
-
-def metric(text: str, name: str, **labels) -> float:
-    """One sample's value from Prometheus text (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        match = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
-        if match and ",".join(sorted(match.group(1).split(","))) == want:
-            return float(match.group(2))
-    return 0.0
 
 
 def test_one_jpeg_and_one_png(url):
