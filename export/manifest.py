@@ -1,21 +1,12 @@
-"""The model repository manifest: written next to model.onnx, validated against schemas/manifest.schema.json."""
-import hashlib
-import json
+"""The model repository manifest, validated with the service's own reader (one contract, one check)."""
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 
-import jsonschema
+from service.repository import sha256
+from service.repository import validate_manifest as validate
 
-SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "manifest.schema.json"
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+__all__ = ["file_entry", "now", "package_versions", "sha256", "validate"]
 
 
 def file_entry(path: Path) -> dict:
@@ -24,11 +15,6 @@ def file_entry(path: Path) -> dict:
 
 def package_versions() -> dict[str, str]:
     return {name: version(name) for name in ("torch", "onnx", "onnxscript", "onnxruntime-gpu", "vitserve")}
-
-
-def validate(manifest: dict) -> None:
-    """Raises jsonschema.ValidationError naming the first offending field."""
-    jsonschema.validate(manifest, json.loads(SCHEMA_PATH.read_text()))
 
 
 def now() -> str:

@@ -1,6 +1,6 @@
 """The model repository: one folder per model with manifest.json and the ONNX graphs it lists.
 
-Every manifest is validated against schemas/manifest.schema.json and every graph against its sha256
+Every manifest is validated against service/manifest.schema.json and every graph against its sha256
 before it is served. A folder that fails is reported with the reason and not served; the others are.
 """
 import hashlib
@@ -13,7 +13,7 @@ import jsonschema
 
 from .preprocess import InputPolicy
 
-SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "manifest.schema.json"
+SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
 
 class RepositoryError(ValueError):
@@ -75,10 +75,15 @@ def verify_file(entry: ModelEntry, file: str) -> Path:
     return path
 
 
+def validate_manifest(manifest: dict) -> None:
+    """Raises jsonschema.ValidationError naming the first offending field."""
+    jsonschema.validate(manifest, _schema())
+
+
 def read_entry(folder: Path) -> ModelEntry:
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
-        jsonschema.validate(manifest, _schema())
+        validate_manifest(manifest)
     except json.JSONDecodeError as e:
         raise RepositoryError(f"{folder.name}: manifest.json is not JSON ({e})") from None
     except jsonschema.ValidationError as e:

@@ -1,0 +1,43 @@
+"""The committed model repository: valid manifests, intact files, and graphs that still are the committed
+demo weights (checked by outputs, not bytes: `make models` rebuilds them)."""
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from service_process import ROOT
+
+import models
+from export.manifest import sha256, validate
+
+REPO = ROOT / "model_repository"
+ENTRIES = sorted(p.parent.name for p in REPO.glob("*/manifest.json"))
+
+
+def test_the_embedded_repository_has_every_demo_model():
+    assert ENTRIES == ["expression-vit", "shapes-deit", "shapes-swin", "shapes-vit", "shapes-vit-int8"]
+    assert sum(f.stat().st_size for f in REPO.rglob("*") if f.is_file()) < 40 * 2**20
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_committed_graphs_agree_with_the_committed_weights(name):
+    manifest = json.loads((REPO / name / "manifest.json").read_text())
+    validate(manifest)
+    for file in manifest["files"].values():
+        assert sha256(REPO / name / file["path"]) == file["sha256"]
+    weights = ROOT / manifest["source"]["weights"]
+    assert sha256(weights) == manifest["source"]["weights_sha256"]  # built from the weights committed beside it
+    model = models.load_weights(models.create_model(manifest["architecture"]), weights).eval()
+    x = np.random.default_rng(0).standard_normal((4, 3, *manifest["input"]["size"])).astype(np.float32)
+    session = ort.InferenceSession(REPO / name / "model.onnx", providers=["CPUExecutionProvider"])
+    logits = session.run(["logits"], {"pixel_values": x})[0]
+    with torch.no_grad():
+        expected = model(torch.from_numpy(x)).numpy()
+    if manifest["precision"] == "fp32":
+        np.testing.assert_allclose(logits, expected, atol=1e-4)
+    else:  # int8 keeps the decisions, not the digits
+        assert (logits.argmax(1) == expected.argmax(1)).all()
+        assert manifest["parity"]["int8"]["top1_agreement"] >= 0.99
+    training = manifest["source"]["training"]
+    assert training["val_accuracy"] >= 0.95 and training["command"].startswith("python -m models.train")
