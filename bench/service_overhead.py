@@ -7,7 +7,8 @@ raw(c): one session (the server's thread settings) on batches of min(c, max batc
         what a server with zero overhead would reach with c clients.
 http(c): c concurrent clients, one JPEG photo (chelsea, 451 x 300) per request to a real `python -m service`,
         decoding and preprocessing included, the client on the same machine.
-Raw and HTTP measurements alternate, round by round; the figures are medians over rounds.
+Raw and HTTP measurements alternate, round by round; the figures are medians over rounds. Service settings
+come from the environment as usual (e.g. VITSERVE_SPIN_WAIT=true), and the raw session follows them.
 """
 import argparse
 import asyncio
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from service.loadtest import run_level  # noqa: E402
 from service.preprocess import InputPolicy, prepare  # noqa: E402
 from service.runtime import Runner  # noqa: E402
+from service.settings import Settings  # noqa: E402
 from service_process import running_service  # noqa: E402
 
 MAX_BATCH = 16
@@ -62,7 +64,7 @@ def measure(repo: Path, model: str, levels: list[int], rounds: int, seconds: flo
     raw = {c: [] for c in levels}
     http = {c: [] for c in levels}
     with running_service(model_repository=repo, max_batch_size=MAX_BATCH, warmup_runs=1) as url:
-        runner = Runner(repo / model / "model.onnx", ["CPUExecutionProvider"])
+        runner = Runner(repo / model / "model.onnx", ["CPUExecutionProvider"], spin_wait=Settings().spin_wait)
         for _ in range(rounds):
             for c in levels:
                 raw[c].append(raw_images_per_s(runner, x, c, seconds))
@@ -81,7 +83,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--cache", type=Path, default=ROOT / "build" / "bench")
     args = p.parse_args()
-    print(f"CPU cores: {os.cpu_count()}, max batch {MAX_BATCH}, {args.rounds} rounds of {args.seconds:g}s")
+    print(f"CPU cores: {os.cpu_count()}, max batch {MAX_BATCH}, {args.rounds} rounds of {args.seconds:g}s, "
+          f"spin wait {Settings().spin_wait}")
     print(f"{'model':<24} {'clients':>7} {'raw img/s':>10} {'http img/s':>11} {'http/raw':>9}")
     for model in args.models:
         repo = ROOT / "model_repository" if (ROOT / "model_repository" / model).is_dir() else full_size_repo(args.cache)

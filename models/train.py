@@ -142,7 +142,7 @@ def train(args: argparse.Namespace) -> dict:
 
     spec = model.spec
     load = dict(size=spec.img_size, crop_pct=spec.crop_pct, interpolation=spec.interpolation)
-    # Training images are decoded at the input size (no centre crop); the random crop is the augmentation.
+    # Training images keep their whole centre square (no crop_pct margin): the random crop is the augmentation.
     train_set = ImageFolder(train_items, spec.img_size, 1.0, spec.interpolation)
     val_loader = DataLoader(ImageFolder(val_items, **load), batch_size=args.batch_size * 2, num_workers=args.workers)
     steps_per_epoch = math.ceil(len(train_set) / args.batch_size)

@@ -108,6 +108,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                    kserve.router):
         app.include_router(router)
 
+    @app.get("/", include_in_schema=False)
+    async def root() -> dict:
+        return {"name": "vitserve", "docs": "/docs", "models": "/models", "ready": "/health/ready"}
+
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics")
     async def prometheus(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -2,10 +2,15 @@
 
 Under /v2 the Open Inference Protocol's own shape, {"error": "<message>"}, which Triton's clients parse.
 """
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+
+
+log = logging.getLogger("vitserve")
 
 
 class APIError(Exception):
@@ -43,4 +48,10 @@ def install(app: FastAPI) -> None:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error_response(422, "invalid_request", f"{where}: {first.get('msg')}".strip(": "),
+                              path=request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(500, "internal_error", f"the server failed: {type(exc).__name__}: {exc}",
                               path=request.url.path)

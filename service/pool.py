@@ -84,7 +84,7 @@ class ModelPool:
                 variant = self.models.get(f"{entry.name}-fp16")
                 path = variant.entry.path() if cuda and variant is not None else entry.path()
                 served.runner = await loop.run_in_executor(
-                    self.inference, Runner, path, providers, self.settings.intra_op_threads)
+                    self.inference, Runner, path, providers, self.settings.intra_op_threads, self.settings.spin_wait)
                 cuda = cuda or served.runner.provider == CUDA
                 await loop.run_in_executor(self.inference, self._warm_up, served)
             except Exception as e:  # one broken model must not keep the others from serving
@@ -162,7 +162,8 @@ class ModelPool:
         def work() -> list[np.ndarray]:
             if served.explainer is None:  # only the inference thread gets here: no race
                 path = verify_file(served.entry, "explain")
-                served.explainer = Runner(path, self._providers(served.entry), self.settings.intra_op_threads)
+                served.explainer = Runner(path, self._providers(served.entry), self.settings.intra_op_threads,
+                                          self.settings.spin_wait)
             outputs = served.explainer.run(x[None])
             return [outputs[name][0] for name in served.entry.manifest["attention"]["explain_outputs"]]
 

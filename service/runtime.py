@@ -17,12 +17,13 @@ CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 _cuda_warned = False
 
 
-def open_session(path: Path, providers: list[str], threads: int = 0) -> ort.InferenceSession:
+def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: bool = False) -> ort.InferenceSession:
     """A session on the first of `providers` that starts here (the CPU as the last resort)."""
     global _cuda_warned
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or os.cpu_count() or 1
     options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_wait else "0")
     wanted = [p for p in providers if p in ort.get_available_providers()]
     wanted = list(dict.fromkeys(wanted + [CPU]))
     ort.set_default_logger_severity(4)  # a provider that cannot start is expected here, not an error
@@ -39,8 +40,8 @@ def open_session(path: Path, providers: list[str], threads: int = 0) -> ort.Infe
 class Runner:
     """One model's session; `run` takes a float32 NCHW batch and returns every output by name."""
 
-    def __init__(self, path: Path, providers: list[str], threads: int = 0):
-        self.session = open_session(path, providers, threads)
+    def __init__(self, path: Path, providers: list[str], threads: int = 0, spin_wait: bool = False):
+        self.session = open_session(path, providers, threads, spin_wait)
         self.provider = self.session.get_providers()[0]
         self.input_name = self.session.get_inputs()[0].name
         self.output_names = [o.name for o in self.session.get_outputs()]

@@ -1,6 +1,9 @@
 """End to end: the real server on a loopback port, the embedded model repository, real photographs."""
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 
 import httpx
@@ -171,3 +174,10 @@ def test_readiness_waits_for_warm_up_and_a_full_queue_gets_503():
         assert full.status_code == 503 and full.headers["Retry-After"] == "1"
         assert "limit is 2" in full.json()["error"]["message"]
         assert classify(base, ("a.jpg", JPEG)).status_code == 200
+
+
+def test_a_missing_repository_stops_start_up_with_a_clear_message(tmp_path):
+    env = {**os.environ, "VITSERVE_MODEL_REPOSITORY": str(tmp_path / "nowhere")}
+    done = subprocess.run([sys.executable, "-m", "service", "--port", "0"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and f"error: no model repository at {tmp_path / 'nowhere'}" in done.stderr
