@@ -111,7 +111,8 @@ def test_synthetic_held_out_faces_through_http_match_the_exported_model(url):
 def test_face_attention_maps_and_wrong_models(url):
     (face,) = post(url, photo_bytes("astronaut", "JPEG"), attention="true").json()["faces"]
     body = httpx.get(f"{url}{face['attention_map_url']}&format=json").json()
-    assert body["image_size"] == [112, 112] and body["grid_size"] == [7, 7]  # over the face crop the model saw
+    side = round(max(face["box"][2:]) * 1.4)  # the face region with its 20% margins, at the photo's resolution
+    assert body["image_size"] == [side, side] and body["grid_size"] == [7, 7]
     r = post(url, photo_bytes("astronaut", "JPEG"), model="shapes-vit")
     assert r.status_code == 400 and r.json()["error"]["code"] == "not_an_expression_model"
     assert post(url, b"not an image").status_code == 415

@@ -31,15 +31,14 @@ def expression_model(pool: ModelPool, name: str | None) -> ServedModel:
     return served
 
 
-def faces_and_crops(data: bytes, served: ServedModel, detect: bool, detector: DetectorSettings, margin: float,
-                    max_pixels: int) -> tuple[tuple[int, int], list[tuple[int, int, int, int]], list[Image.Image]]:
-    """Decode, find the faces (or take the whole image as one aligned face), crop them for the model."""
+def find_faces(data: bytes, detect: bool, detector: DetectorSettings, margin: float,
+               max_pixels: int) -> tuple[tuple[int, int], list[tuple[int, int, int, int]], list[Image.Image]]:
+    """Decode and find the faces (or take the whole image as one aligned face): size, boxes, face regions."""
     image = decode(data, None, max_pixels)
     if not detect:
-        return image.size, [(0, 0, *image.size)], [resize_and_crop(image, served.entry.policy)]
+        return image.size, [(0, 0, *image.size)], [image]
     boxes = detect_faces(image, detector)
-    crops = [resize_and_crop(crop_face(image, box, margin), served.entry.policy) for box in boxes]
-    return image.size, boxes, crops
+    return image.size, boxes, [crop_face(image, box, margin) for box in boxes]
 
 
 def png(image: Image.Image) -> bytes:
@@ -70,16 +69,20 @@ async def expression(
     ((_, data),) = await read_uploads([file], 1)
     detector = DetectorSettings(settings.face_scale_factor, settings.face_min_neighbors, settings.face_min_size,
                                 max_faces or settings.face_max, settings.face_detect_side)
-    size, boxes, crops = await asyncio.get_running_loop().run_in_executor(
-        pool.decode, faces_and_crops, data, served, detect, detector, settings.face_margin, settings.max_image_pixels)
+    size, boxes, regions = await asyncio.get_running_loop().run_in_executor(
+        pool.decode, find_faces, data, detect, detector, settings.face_margin, settings.max_image_pixels)
+    policy = served.entry.policy
+    inputs = [normalise(resize_and_crop(region, policy), policy) for region in regions]
     prepared_ms = (time.perf_counter() - start) * 1e3
-    results = await pool.infer(served, [normalise(c, served.entry.policy) for c in crops]) if crops else []
+    results = await pool.infer(served, inputs) if inputs else []
     labels, faces = served.entry.labels, []
-    for box, crop, result in zip(boxes, crops, results):
+    for box, region, result in zip(boxes, regions, results):
         probs = softmax(result.outputs["logits"].astype(np.float64))
         face_id, url = uuid.uuid4().hex, None
         if attention:
-            record = AttentionRecord(served.name, {k: result.outputs[k] for k in attention_outputs(served)}, png(crop))
+            # the face region at the photo's resolution: the map is drawn over what the model saw, full size
+            image_bytes = data if not detect else png(region)
+            record = AttentionRecord(served.name, {k: result.outputs[k] for k in attention_outputs(served)}, image_bytes)
             if request.app.state.attention_cache.put(face_id, record):
                 url = f"/attention-map?id={face_id}"
         best = int(probs.argmax())
