@@ -120,7 +120,7 @@ def _attention_section(model: nn.Module, explain_outputs: list[str]) -> dict:
     return section
 
 
-def _outputs(main: MainGraph, proto) -> list[dict]:
+def _outputs(proto) -> list[dict]:
     descriptions = {"logits": "class scores before softmax",
                     "cls_attention": "last block, [CLS] query over the patches, per head",
                     "dist_attention": "last block, distillation-token query over the patches, per head",
@@ -149,6 +149,73 @@ def _publish(work: Path, target: Path) -> None:
         shutil.rmtree(old)
 
 
+def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progress) -> tuple[object, dict, dict]:
+    """Export, prove the attention fused, gate against PyTorch (and the reduced precision against fp32)."""
+    main = MainGraph(model)
+    fp32_path = work / ("model.onnx" if precision == "fp32" else "fp32.onnx")
+    log(f"exporting to ONNX opset {OPSET} with a dynamic batch axis")
+    proto = export_graph(main, model.spec.img_size, fp32_path)
+    counts = _check_fusion(proto, model)
+    log(f"{fused_attention_count(counts)} fused attention ops, none unfused")
+    fp32 = _session(fp32_path, ["CPUExecutionProvider"])
+    parity = check_fp32(fp32, main, inputs)
+    log(f"parity vs PyTorch: logits max |diff| {parity['logits_max_abs_diff']:.2e}, "
+        f"top-1 agreement {parity['top1_agreement']:.3f}")
+    if precision == "fp32":
+        return proto, counts, parity
+    log(f"converting to {precision}")
+    proto = CONVERTERS[precision](fp32_path, work / "model.onnx")
+    counts = _check_fusion(proto, model)
+    reduced = check_reduced(_session(work / "model.onnx", PROVIDERS[precision]), fp32, inputs)
+    log(f"{precision} vs fp32 on {reduced['provider']}: top-1 agreement {reduced['top1_agreement']:.4f} "
+        f"on {reduced['agreement_on']}")
+    fp32_path.unlink()
+    return proto, counts, {"fp32": parity, precision: reduced}
+
+
+def _explain_graph(model: nn.Module, work: Path, inputs, log: Progress) -> tuple[list[str], float]:
+    """explain.onnx (every block's attention probabilities), checked against PyTorch."""
+    log("exporting the explain graph (every block's attention probabilities)")
+    explain = ExplainGraph(model)
+    export_graph(explain, model.spec.img_size, work / "explain.onnx")
+    got = run_session(_session(work / "explain.onnx", ["CPUExecutionProvider"]), inputs.probe[:4])
+    worst = max(float(np.abs(g - w).max()) for g, w in zip(got, run_torch(explain, inputs.probe[:4])))
+    if worst > FP32_ABS_TOLERANCE:
+        raise ParityError(f"explain graph differs from PyTorch by {worst:.3g}")
+    return explain.output_names, worst
+
+
+def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, proto, counts: dict,
+              parity: dict, files: dict, explain_outputs: list[str]) -> dict:
+    spec = model.spec
+    return {
+        "schema_version": 1,
+        "name": name,
+        "architecture": spec.name,
+        "family": "swin" if isinstance(model, SwinTransformer) else "vit",
+        "distilled": bool(getattr(model, "distilled", False)),
+        "task": args.task or spec.task,
+        "labels": labels,
+        "input": {"name": INPUT, "dtype": "float32", "layout": "NCHW", "size": [spec.img_size, spec.img_size],
+                  "resize_short_side": round(spec.img_size / spec.crop_pct), "crop": "center",
+                  "interpolation": spec.interpolation, "mean": list(spec.mean), "std": list(spec.std)},
+        "outputs": _outputs(proto),
+        "attention": _attention_section(model, explain_outputs),
+        "precision": args.precision,
+        "providers": PROVIDERS[args.precision],
+        "opset": OPSET,
+        "files": files,
+        "op_counts": counts,
+        "fused_attention": fused_attention_count(counts),
+        "parity": parity,
+        "source": {"weights": str(args.weights) if args.weights else "random-init",
+                   **({"weights_sha256": mf.sha256(args.weights)} if args.weights else {}),
+                   **({"training": meta["training"]} if "training" in meta else {})},
+        "versions": mf.package_versions(),
+        "created": mf.now(),
+    }
+
+
 def export_model(args) -> Path:
     log = Progress()
     get_spec(args.model)  # an unknown name fails before any work
@@ -164,69 +231,13 @@ def export_model(args) -> Path:
     try:
         log(f"building {args.model} ({len(labels)} classes) from {args.weights or 'random init'}")
         model = build_model(args, labels, meta)
-        spec = model.spec
-        main = MainGraph(model)
-        fp32_path = work / ("model.onnx" if args.precision == "fp32" else "fp32.onnx")
-        log(f"exporting to ONNX opset {OPSET} with a dynamic batch axis")
-        proto = export_graph(main, spec.img_size, fp32_path)
-        counts = _check_fusion(proto, model)
-        log(f"{fused_attention_count(counts)} fused attention ops, none unfused")
-
-        inputs = gate_inputs(spec, args.eval_data)
-        fp32 = _session(fp32_path, ["CPUExecutionProvider"])
-        parity = check_fp32(fp32, main, inputs)
-        log(f"parity vs PyTorch: logits max |diff| {parity['logits_max_abs_diff']:.2e}, "
-            f"top-1 agreement {parity['top1_agreement']:.3f}")
-        if args.precision != "fp32":
-            log(f"converting to {args.precision}")
-            proto = CONVERTERS[args.precision](fp32_path, work / "model.onnx")
-            counts = _check_fusion(proto, model)
-            reduced = check_reduced(_session(work / "model.onnx", PROVIDERS[args.precision]), fp32, inputs)
-            parity = {"fp32": parity, args.precision: reduced}
-            log(f"{args.precision} vs fp32 on {reduced['provider']}: top-1 agreement "
-                f"{reduced['top1_agreement']:.4f} on {reduced['agreement_on']}")
-            fp32_path.unlink()
-
-        files = {"model": mf.file_entry(work / "model.onnx")}
-        explain_outputs = []
+        inputs = gate_inputs(model.spec, args.eval_data)
+        proto, counts, parity = _main_graph(model, args.precision, work, inputs, log)
+        files, explain_outputs = {"model": mf.file_entry(work / "model.onnx")}, []
         if not isinstance(model, SwinTransformer) and not args.no_explain:
-            log("exporting the explain graph (every block's attention probabilities)")
-            explain = ExplainGraph(model)
-            export_graph(explain, spec.img_size, work / "explain.onnx")
-            got = run_session(_session(work / "explain.onnx", ["CPUExecutionProvider"]), inputs.probe[:4])
-            worst = max(float(np.abs(g - w).max()) for g, w in zip(got, run_torch(explain, inputs.probe[:4])))
-            if worst > FP32_ABS_TOLERANCE:
-                raise ParityError(f"explain graph differs from PyTorch by {worst:.3g}")
-            parity["explain_max_abs_diff"] = worst
+            explain_outputs, parity["explain_max_abs_diff"] = _explain_graph(model, work, inputs, log)
             files["explain"] = mf.file_entry(work / "explain.onnx")
-            explain_outputs = explain.output_names
-
-        manifest = {
-            "schema_version": 1,
-            "name": name,
-            "architecture": spec.name,
-            "family": "swin" if isinstance(model, SwinTransformer) else "vit",
-            "distilled": bool(getattr(model, "distilled", False)),
-            "task": args.task or spec.task,
-            "labels": labels,
-            "input": {"name": INPUT, "dtype": "float32", "layout": "NCHW", "size": [spec.img_size, spec.img_size],
-                      "resize_short_side": round(spec.img_size / spec.crop_pct), "crop": "center",
-                      "interpolation": spec.interpolation, "mean": list(spec.mean), "std": list(spec.std)},
-            "outputs": _outputs(main, proto),
-            "attention": _attention_section(model, explain_outputs),
-            "precision": args.precision,
-            "providers": PROVIDERS[args.precision],
-            "opset": OPSET,
-            "files": files,
-            "op_counts": counts,
-            "fused_attention": fused_attention_count(counts),
-            "parity": parity,
-            "source": {"weights": str(args.weights) if args.weights else "random-init",
-                       **({"weights_sha256": mf.sha256(args.weights)} if args.weights else {}),
-                       **({"training": meta["training"]} if "training" in meta else {})},
-            "versions": mf.package_versions(),
-            "created": mf.now(),
-        }
+        manifest = _manifest(args, name, labels, meta, model, proto, counts, parity, files, explain_outputs)
         mf.validate(manifest)
         (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         target = args.out / name
