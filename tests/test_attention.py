@@ -169,7 +169,8 @@ def test_map_png_covers_the_original_photo_and_json_has_the_grid(url):
     assert Image.open(io.BytesIO(png.content)).size == (451, 300)
     body = httpx.get(f"{url}/attention-map", params={"id": key, "format": "json", "token": "both"}).json()
     assert body["grid_size"] == [12, 12] and len(body["grid"]) == 12 and body["image_size"] == [451, 300]
-    assert body["crop_box"] == [75.5, 0.0, 375.5, 300.0]  # the centred square the model saw
+    # the centred square the model saw: the photo resized to 144 x 96, columns 24..120
+    assert body["crop_box"] == [round(24 * 451 / 144, 2), 0.0, round(120 * 451 / 144, 2), 300.0]
     assert max(max(row) for row in body["grid"]) == 1.0
     rollout = httpx.get(f"{url}/attention-map", params={"id": key, "method": "rollout", "format": "json"}).json()
     assert rollout["method"] == "rollout" and rollout["grid"] != body["grid"]
