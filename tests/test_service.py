@@ -13,6 +13,7 @@ import pytest
 import tritonclient.http as triton
 from service_process import ROOT, metric, photo_bytes, running_service
 
+from service.loadtest import run_level
 from service.preprocess import InputPolicy, prepare
 
 REPO = ROOT / "model_repository"
@@ -181,3 +182,14 @@ def test_a_missing_repository_stops_start_up_with_a_clear_message(tmp_path):
     done = subprocess.run([sys.executable, "-m", "service", "--port", "0"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and f"error: no model repository at {tmp_path / 'nowhere'}" in done.stderr
+
+
+def test_load_tester_counts_the_requests_that_complete_in_its_window(url):
+    images = lambda: metric(httpx.get(f"{url}/metrics").text, "vitserve_images_total", model="shapes-deit")  # noqa: E731
+    before = images()
+    result = asyncio.run(run_level(url, [("chelsea.jpg", photo_bytes("chelsea", "JPEG"))], concurrency=4,
+                                   duration=1.5, params={"model": "shapes-deit"}, warmup=0.5))
+    served = images() - before
+    assert result.failures == {} and result.seconds == 1.5
+    assert 0 < result.images < served  # the warm-up's and the tail's requests are served but not counted
+    assert result.images_per_s == result.images / 1.5 and result.latency_ms["p50"] > 0
