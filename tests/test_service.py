@@ -185,7 +185,9 @@ def test_a_missing_repository_stops_start_up_with_a_clear_message(tmp_path):
 
 
 def test_load_tester_counts_the_requests_that_complete_in_its_window(url):
-    images = lambda: metric(httpx.get(f"{url}/metrics").text, "vitserve_images_total", model="shapes-deit")  # noqa: E731
+    def images() -> float:
+        return metric(httpx.get(f"{url}/metrics").text, "vitserve_images_total", model="shapes-deit")
+
     before = images()
     result = asyncio.run(run_level(url, [("chelsea.jpg", photo_bytes("chelsea", "JPEG"))], concurrency=4,
                                    duration=1.5, params={"model": "shapes-deit"}, warmup=0.5))
