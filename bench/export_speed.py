@@ -2,6 +2,7 @@
 
     python bench/export_speed.py                       # DeiT-S and Swin-T at batch 1 and 16
     python bench/export_speed.py --models deit_tiny_patch16_224 --batches 1 8 --rounds 10
+    python bench/export_speed.py --profile 16          # also: where ORT fp32 and int8 spend a batch of 16
 
 All run the served graph (logits plus the attention outputs) from the same random weights; ONNX Runtime at
 each graph optimisation level (basic: constant folding and redundancy removal; extended: also operator
@@ -10,6 +11,8 @@ Each round times every variant once, in a shuffled order, so drift in the machin
 alike; the figures are medians over rounds. Graphs are exported once into --cache.
 """
 import argparse
+import collections
+import json
 import os
 import random
 import statistics
@@ -17,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 import torch
 
@@ -57,6 +61,36 @@ def variants(name: str, cache: Path) -> tuple[dict, int]:
     return calls, main.model.spec.img_size
 
 
+def op_times(path: Path, batch: int, size: int, runs: int = 3) -> dict[str, float]:
+    """ORT's own profile: milliseconds per batch spent in each operator type (as fused by level `all`)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = os.cpu_count()
+    options.enable_profiling = True
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((batch, 3, size, size), dtype=np.float32)
+    for _ in range(1 + runs):  # the first run (allocations) is left out below
+        session.run(None, {INPUT: x})
+    trace = Path(session.end_profiling())
+    events = json.loads(trace.read_text())
+    trace.unlink()
+    measured_from = sorted(e["ts"] for e in events if e["name"] == "model_run")[1]
+    totals = collections.Counter()
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and event["ts"] >= measured_from:
+            totals[event["args"]["op_name"]] += event["dur"] / 1e3 / runs
+    return dict(totals.most_common())
+
+
+def print_profile(name: str, cache: Path, batch: int, size: int) -> None:
+    profiles = {precision: op_times(cache / f"{name}{suffix}.onnx", batch, size)
+                for precision, suffix in (("fp32", ""), ("int8", ".int8"))}
+    print(f"\n{name}, batch {batch}: ms per batch by operator type (ORT's profile of 3 runs)")
+    for precision, times in profiles.items():
+        total = sum(times.values())
+        top = ", ".join(f"{op} {ms:.0f} ({ms / total:.0%})" for op, ms in list(times.items())[:8])
+        print(f"  {precision}: total {total:.0f}: {top}")
+
+
 def bench(calls: dict, batch: int, size: int, rounds: int, repeat: int) -> dict[str, float]:
     """Median seconds per call of each variant, interleaved round by round."""
     x = torch.randn(batch, 3, size, size).numpy()
@@ -80,6 +114,7 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--cache", type=Path, default=Path("build/bench"))
+    p.add_argument("--profile", type=int, metavar="BATCH", help="also print ORT's time by operator type at BATCH")
     args = p.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count())
@@ -94,6 +129,8 @@ def main() -> None:
             for k, t in med.items():
                 vs_fp32 = f"{med[k.replace('int8', 'fp32')] / t:>11.2f}x" if "int8" in k else ""
                 print(f"{name:<30} {batch:>5} {k:<18} {t * 1e3:>9.1f} {batch / t:>7.1f} {med['torch eager'] / t:>8.2f}x {vs_fp32}")
+        if args.profile:
+            print_profile(name, args.cache, args.profile, size)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,14 @@
     python bench/service_overhead.py                 # the embedded default model and a full-size DeiT-S
     python bench/service_overhead.py --models shapes-deit --seconds 5 --rounds 3
 
-raw(c): one session (the server's thread settings) on batches of min(c, max batch size) preprocessed images,
-        what a server with zero overhead would reach with c clients.
-http(c): c concurrent clients, one JPEG photo (chelsea, 451 x 300) per request to a real `python -m service`,
-        decoding and preprocessing included, the client on the same machine.
+raw(c):      one session (the server's thread settings) on batches of min(c, max batch size) preprocessed
+             images: what a server with zero overhead would reach with c clients.
+v2(c):       c clients, each request one preprocessed image as a binary tensor (KServe v2, tritonclient's
+             encoding) to a real `python -m service`: HTTP and batching, no image decoding.
+classify(c): c clients, each request one JPEG photo (chelsea, 451 x 300) to POST /classify: decoding,
+             preprocessing and the multipart upload on top.
+The clients run on the same machine as the server. CPU ms/img is the server's CPU time (its
+process_cpu_seconds_total metric) and the client's, per image the server ran, during the /classify level.
 Raw and HTTP measurements alternate, round by round; the figures are medians over rounds. Service settings
 come from the environment as usual (e.g. VITSERVE_SPIN_WAIT=true), and the raw session follows them.
 """
@@ -15,11 +19,14 @@ import asyncio
 import io
 import json
 import os
+import resource
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import aiohttp
+import httpx
 import numpy as np
 from PIL import Image
 from skimage import data as photos
@@ -27,11 +34,12 @@ from skimage import data as photos
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from service.loadtest import run_level  # noqa: E402
+from service.loadtest import Send, classify_requests, run_level  # noqa: E402
 from service.preprocess import InputPolicy, prepare  # noqa: E402
+from service.routers.kserve import HEADER_LENGTH  # noqa: E402
 from service.runtime import Runner  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from service_process import running_service  # noqa: E402
+from service_process import metric, process_metrics, running_service  # noqa: E402
 
 MAX_BATCH = 16
 
@@ -55,23 +63,52 @@ def raw_images_per_s(runner: Runner, x: np.ndarray, concurrency: int, seconds: f
     return done / (time.perf_counter() - start)
 
 
+def v2_requests(model: str, x: np.ndarray) -> Send:
+    """POST /v2/models/MODEL/infer with one [1, 3, H, W] FP32 image as a binary tensor, logits back as JSON."""
+    blob = np.ascontiguousarray(x[None], dtype="<f4").tobytes()
+    header = json.dumps({"inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": [1, *x.shape],
+                                     "parameters": {"binary_data_size": len(blob)}}],
+                         "outputs": [{"name": "logits"}]}).encode()
+    body, headers = header + blob, {HEADER_LENGTH: str(len(header)), "Content-Type": "application/octet-stream"}
+
+    async def send(session: aiohttp.ClientSession, i: int) -> int:
+        async with session.post(f"/v2/models/{model}/infer", data=body, headers=headers) as r:
+            await r.read()
+            return r.status
+
+    return send
+
+
+def cpu_and_images(url: str, model: str) -> tuple[float, float, float]:
+    """(server CPU seconds, this process's CPU seconds, images the server has run through `model`)."""
+    text = httpx.get(f"{url}/metrics").text
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return (process_metrics(text)["process_cpu_seconds_total"], usage.ru_utime + usage.ru_stime,
+            metric(text, "vitserve_images_total", model=model))
+
+
 def measure(repo: Path, model: str, levels: list[int], rounds: int, seconds: float) -> list[dict]:
     manifest = json.loads((repo / model / "manifest.json").read_text())
     buf = io.BytesIO()
     Image.fromarray(photos.chelsea()).save(buf, format="JPEG", quality=90)
     jpeg = buf.getvalue()
     x, _ = prepare(jpeg, InputPolicy.from_manifest(manifest["input"]), 10**9)
-    raw = {c: [] for c in levels}
-    http = {c: [] for c in levels}
+    figures = {c: {k: [] for k in ("raw", "v2", "classify", "server_ms", "client_ms")} for c in levels}
+    classify, v2 = classify_requests([("chelsea.jpg", jpeg)], {"model": model, "top_k": 1}), v2_requests(model, x)
     with running_service(model_repository=repo, max_batch_size=MAX_BATCH, warmup_runs=1) as url:
         runner = Runner(repo / model / "model.onnx", ["CPUExecutionProvider"], spin_wait=Settings().spin_wait)
         for _ in range(rounds):
             for c in levels:
-                raw[c].append(raw_images_per_s(runner, x, c, seconds))
-                level = asyncio.run(run_level(url, [("chelsea.jpg", jpeg)], c, seconds, {"model": model, "top_k": 1}))
-                http[c].append(level.images_per_s)
+                f = figures[c]
+                f["raw"].append(raw_images_per_s(runner, x, c, seconds))
+                f["v2"].append(asyncio.run(run_level(url, v2, c, seconds)).images_per_s)
+                before = cpu_and_images(url, model)
+                f["classify"].append(asyncio.run(run_level(url, classify, c, seconds)).images_per_s)
+                server, client, images = (b - a for a, b in zip(before, cpu_and_images(url, model)))
+                f["server_ms"].append(server / images * 1e3)
+                f["client_ms"].append(client / images * 1e3)
         del runner
-    return [{"model": model, "concurrency": c, "raw": statistics.median(raw[c]), "http": statistics.median(http[c])}
+    return [{"model": model, "concurrency": c, **{k: statistics.median(v) for k, v in figures[c].items()}}
             for c in levels]
 
 
@@ -85,12 +122,14 @@ def main() -> None:
     args = p.parse_args()
     print(f"CPU cores: {os.cpu_count()}, max batch {MAX_BATCH}, {args.rounds} rounds of {args.seconds:g}s, "
           f"spin wait {Settings().spin_wait}")
-    print(f"{'model':<24} {'clients':>7} {'raw img/s':>10} {'http img/s':>11} {'http/raw':>9}")
+    print(f"{'model':<24} {'clients':>7} {'raw img/s':>10} {'v2 img/s':>14} {'classify img/s':>16} "
+          f"{'CPU ms/img: server':>19} {'client':>7}")
     for model in args.models:
         repo = ROOT / "model_repository" if (ROOT / "model_repository" / model).is_dir() else full_size_repo(args.cache)
-        for row in measure(repo, model, args.levels, args.rounds, args.seconds):
-            print(f"{row['model']:<24} {row['concurrency']:>7} {row['raw']:>10.1f} {row['http']:>11.1f} "
-                  f"{row['http'] / row['raw']:>8.0%}", flush=True)
+        for r in measure(repo, model, args.levels, args.rounds, args.seconds):
+            print(f"{r['model']:<24} {r['concurrency']:>7} {r['raw']:>10.1f} {r['v2']:>7.1f} ({r['v2'] / r['raw']:>4.0%}) "
+                  f"{r['classify']:>8.1f} ({r['classify'] / r['raw']:>4.0%}) {r['server_ms']:>19.2f} "
+                  f"{r['client_ms']:>7.2f}", flush=True)
 
 
 if __name__ == "__main__":

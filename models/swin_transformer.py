@@ -84,21 +84,24 @@ class WindowAttention(nn.Module):
         queries, [B * windows, heads, M*M], computed beside the fused kernel.
         """
         B_, N, C = x.shape
-        qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
-        # contiguous q/k/v and mask: without them the dynamo ONNX export cannot view the permuted tensors
+        heads = self.num_heads
+        qkv = self.qkv(x).reshape(B_, N, 3, heads, C // heads).permute(2, 0, 3, 1, 4)
+        # contiguous q/k/v: without it the dynamo ONNX export cannot view the permuted tensors
         q, k, v = (t.contiguous() for t in qkv.unbind(0))
-        bias = self.relative_position_bias().unsqueeze(0)
+        bias = self.relative_position_bias().unsqueeze(0)  # [1, heads, N, N]
         if mask is not None:
+            # Windows folded into the head axis, [B, windows * heads, N, N]: the per-window mask then broadcasts
+            # over the batch as one constant instead of being expanded to a [B * windows, heads, N, N] copy
+            # and added in every block at run time.
             windows = mask.shape[0]
-            mask = mask.view(1, windows, 1, N, N).expand(B_ // windows, -1, self.num_heads, -1, -1)
-            bias = bias + mask.reshape(-1, self.num_heads, N, N)
-        bias = bias.contiguous()
+            bias = (bias + mask.unsqueeze(1)).reshape(1, windows * heads, N, N)
+            q, k, v = (t.reshape(-1, windows * heads, N, C // heads) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.0)
-        out = self.proj_drop(self.proj(out.transpose(1, 2).reshape(B_, N, C)))
+        out = self.proj_drop(self.proj(out.reshape(B_, heads, N, -1).transpose(1, 2).reshape(B_, N, C)))
         if not received:
             return out
         probs = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1) + bias).softmax(dim=-1)
-        return out, probs.mean(dim=2)
+        return out, probs.reshape(B_, heads, N, N).mean(dim=2)
 
 
 class SwinTransformerBlock(nn.Module):

@@ -6,6 +6,9 @@
 Each level runs `--concurrency` clients, each sending one image per request back to back over a kept-alive
 connection, for `--duration` seconds after a short warm-up. Reported per level: successful images/sec,
 p50/p90/p95/p99 latency, and failures by status (a 503 from a full queue counts as a failure).
+
+The client is aiohttp: it costs about 0.35 ms of CPU per request where httpx's pool costs 2 ms at 8 connections
+and 6 ms at 32, and a load tester on the server's own cores must not eat the throughput it measures.
 """
 import argparse
 import asyncio
@@ -14,10 +17,14 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
+
+# sends request number i (one image) on the session and returns its HTTP status
+Send = Callable[[aiohttp.ClientSession, int], Awaitable[int]]
 
 
 @dataclass
@@ -37,25 +44,37 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50": cuts[49], "p90": cuts[89], "p95": cuts[94], "p99": cuts[98], "mean": statistics.fmean(samples)}
 
 
-async def run_level(url: str, images: list[tuple[str, bytes]], concurrency: int, duration: float,
-                    params: dict, warmup: float = 1.0) -> LevelResult:
-    """`concurrency` clients posting images to /classify until `duration` seconds after the warm-up."""
+def classify_requests(images: list[tuple[str, bytes]], params: dict) -> Send:
+    """POST /classify, request i carrying image i (round robin) as the multipart field `file`."""
+    params = {k: str(v) for k, v in params.items() if v is not None}
+
+    async def send(session: aiohttp.ClientSession, i: int) -> int:
+        name, data = images[i % len(images)]
+        form = aiohttp.FormData()
+        form.add_field("file", data, filename=name)
+        async with session.post("/classify", data=form, params=params) as r:
+            await r.read()
+            return r.status
+
+    return send
+
+
+async def run_level(url: str, send: Send, concurrency: int, duration: float, warmup: float = 1.0) -> LevelResult:
+    """`concurrency` clients sending requests back to back until `duration` seconds after the warm-up."""
     latencies, failures = [], {}
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
         start = time.perf_counter()
         measure_from, stop_at = start + warmup, start + warmup + duration
 
         async def worker(k: int) -> None:
             i = k
             while (now := time.perf_counter()) < stop_at:
-                name, data = images[i % len(images)]
-                i += concurrency
                 try:
-                    r = await client.post("/classify", files={"file": (name, data)}, params=params)
-                    status = str(r.status_code)
-                except httpx.HTTPError as e:
+                    status = str(await send(session, i))
+                except (aiohttp.ClientError, TimeoutError) as e:
                     status = type(e).__name__
+                i += concurrency
                 # count what completes inside the window, whenever it started: with many slow requests in
                 # flight, counting by start time would miss the work done for those begun in the warm-up
                 if not measure_from <= (finished := time.perf_counter()) <= stop_at:
@@ -131,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     params = {"model": args.model, "top_k": 1} if args.model else {"top_k": 1}
     results = []
     for c in (int(x) for x in args.concurrency.split(",")):
-        results.append(asyncio.run(run_level(args.url, images, c, args.duration, params)))
+        results.append(asyncio.run(run_level(args.url, classify_requests(images, params), c, args.duration)))
         print(table(results[-1:]).splitlines()[-1] if len(results) > 1 else table(results), flush=True)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")

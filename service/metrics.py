@@ -1,5 +1,6 @@
-"""Prometheus metrics, Triton-style: requests, images, batch sizes, queue vs compute time, queue depth."""
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+"""Prometheus metrics, Triton-style: requests, images, batch sizes, queue vs compute time, queue depth, and the
+process's own CPU seconds and memory (process_*)."""
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -9,6 +10,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
         self.requests = Counter("vitserve_requests", "HTTP requests by route, method and status",
                                 ["route", "method", "status"], registry=r)
         self.request_seconds = Histogram("vitserve_request_seconds", "HTTP request latency", ["route"],

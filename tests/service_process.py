@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 from skimage import data as photos
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +62,12 @@ def photo_bytes(name: str, fmt: str) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(getattr(photos, name)()).save(buf, format=fmt)
     return buf.getvalue()
+
+
+def process_metrics(text: str) -> dict[str, float]:
+    """The process_* samples of Prometheus text: CPU seconds, resident memory, open files."""
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("process_")}
 
 
 def metric(text: str, name: str, **labels) -> float:

@@ -11,9 +11,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.http as triton
-from service_process import ROOT, metric, photo_bytes, running_service
+from service_process import ROOT, metric, photo_bytes, process_metrics, running_service
 
-from service.loadtest import run_level
+from service.loadtest import classify_requests, run_level
 from service.preprocess import InputPolicy, prepare
 
 REPO = ROOT / "model_repository"
@@ -125,6 +125,8 @@ def test_batches_form_under_concurrent_requests_and_metrics_move(url):
     assert metric(after, "vitserve_requests_total", **requests) - metric(before, "vitserve_requests_total", **requests) == 24
     assert metric(after, "vitserve_model_info", model="shapes-deit", architecture="deit_micro_distilled_patch8_96",
                   task="classification", precision="fp32", provider="CPUExecutionProvider") == 1
+    assert process_metrics(after)["process_cpu_seconds_total"] > process_metrics(before)["process_cpu_seconds_total"]
+    assert process_metrics(after)["process_resident_memory_bytes"] > 50 * 2**20  # the sessions are in memory
 
 
 @pytest.mark.parametrize("binary", [True, False])
@@ -189,8 +191,8 @@ def test_load_tester_counts_the_requests_that_complete_in_its_window(url):
         return metric(httpx.get(f"{url}/metrics").text, "vitserve_images_total", model="shapes-deit")
 
     before = images()
-    result = asyncio.run(run_level(url, [("chelsea.jpg", photo_bytes("chelsea", "JPEG"))], concurrency=4,
-                                   duration=1.5, params={"model": "shapes-deit"}, warmup=0.5))
+    send = classify_requests([("chelsea.jpg", photo_bytes("chelsea", "JPEG"))], {"model": "shapes-deit"})
+    result = asyncio.run(run_level(url, send, concurrency=4, duration=1.5, warmup=0.5))
     served = images() - before
     assert result.failures == {} and result.seconds == 1.5
     assert 0 < result.images < served  # the warm-up's and the tail's requests are served but not counted
