@@ -2,13 +2,16 @@
 
 Images queue up; a batch runs as soon as it holds max_batch_size images or its oldest image has waited
 max_queue_delay. While a batch runs (in the inference thread, off the event loop) the next one gathers, so
-under load batches fill without waiting at all. Each image's row of every output goes back to its request.
+under load batches fill without waiting at all. Unlike Triton, the batcher knows which requests are still
+decoding their images for this model (`preparing`): a partial batch waits only while one is, since nothing
+else could join it, so a lone client never pays the delay. Each image's row of every output goes back to its request.
 Beyond queue_limit queued images, new requests are refused at once instead of growing the queue.
 """
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +45,7 @@ class Batcher:
         self.max_batch_size, self.max_queue_delay_s, self.queue_limit = max_batch_size, max_queue_delay_s, queue_limit
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._task: asyncio.Task | None = None
+        self._preparing = 0  # requests decoding images that will come to this batcher
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.model}")
@@ -57,6 +61,15 @@ class Batcher:
     def depth(self) -> int:
         return self._queue.qsize()
 
+    @contextmanager
+    def preparing(self) -> Iterator[None]:
+        """Around a request's decoding: while it runs, a partial batch may wait (up to the delay) for its images."""
+        self._preparing += 1
+        try:
+            yield
+        finally:
+            self._preparing -= 1
+
     def submit(self, images: list[np.ndarray]) -> list[asyncio.Future]:
         """Queue the images (each [3, H, W]) and return one future per image; all or none are queued."""
         if self.depth + len(images) > self.queue_limit:
@@ -71,7 +84,8 @@ class Batcher:
         return futures
 
     async def _gather(self) -> list[_Item]:
-        """Wait for a first image, then fill up until the batch is full or the first has waited long enough."""
+        """Wait for a first image, then fill up until the batch is full, the first has waited long enough or no
+        more images are on their way."""
         first = await self._queue.get()
         batch, deadline = [first], first.enqueued + self.max_queue_delay_s
         while len(batch) < self.max_batch_size:
@@ -79,7 +93,7 @@ class Batcher:
                 batch.append(self._queue.get_nowait())
                 continue
             remaining = deadline - time.perf_counter()
-            if remaining <= 0:
+            if remaining <= 0 or not self._preparing:
                 break
             try:
                 batch.append(await asyncio.wait_for(self._queue.get(), remaining))

@@ -17,7 +17,8 @@ class Settings(BaseSettings):
     default_model: str | None = Field(None, description="model for requests that name none (default: the first "
                                                         "classification model, by name)")
     max_batch_size: int = Field(16, ge=1, le=1024, description="images per inference call")
-    max_queue_delay_ms: float = Field(5.0, ge=0, description="how long the oldest queued image may wait for a batch to fill")
+    max_queue_delay_ms: float = Field(5.0, ge=0, description="how long the oldest queued image may wait for a batch "
+                                                           "to fill, while other requests are still decoding")
     queue_limit: int = Field(256, ge=1, description="queued images per model beyond which requests get 503")
     request_timeout_s: float = Field(30.0, gt=0, description="longest wait for a result before 503")
     max_upload_bytes: int = Field(16 * 2**20, ge=1, description="request body limit; larger requests get 413")

@@ -117,19 +117,37 @@ def test_batcher_fills_batches_and_returns_each_row_to_its_request():
         return await asyncio.gather(*batcher.submit(xs))
 
     results, calls = _run_batcher(go)
-    assert calls == [4, 4, 2]  # full batches, then the rest once the oldest had waited 50 ms
+    assert calls == [4, 4, 2]  # full batches, then the rest at once: no other request is on its way
     assert [r.outputs["logits"][0] for r in results] == [2.0 * i for i in range(10)]
     assert [r.batch_size for r in results] == [4] * 8 + [2] * 2
 
 
-def test_batcher_runs_a_lone_request_after_the_delay():
-    async def go(batcher):
-        start = time.perf_counter()
-        (result,) = await asyncio.gather(*batcher.submit([np.ones((1, 1, 2), np.float32)]))
-        return result, time.perf_counter() - start
+def test_a_partial_batch_waits_only_while_another_request_is_preparing_and_at_most_the_delay():
+    image = np.ones((1, 1, 2), np.float32)
 
-    (result, waited), calls = _run_batcher(go, max_queue_delay_s=0.1)
-    assert calls == [1] and result.queue_s >= 0.09 and waited < 1.0
+    async def alone(batcher):
+        return await batcher.submit([image])[0]
+
+    async def joined(batcher):
+        async def slow_decode():
+            with batcher.preparing():
+                await asyncio.sleep(0.02)
+            return await batcher.submit([image])[0]
+
+        late = asyncio.create_task(slow_decode())
+        await asyncio.sleep(0)  # it is decoding now
+        return await asyncio.gather(batcher.submit([image])[0], late)
+
+    async def abandoned(batcher):
+        with batcher.preparing():  # a decode that never delivers (e.g. a broken image)
+            return await batcher.submit([image])[0]
+
+    result, calls = _run_batcher(alone, max_queue_delay_s=0.1)
+    assert calls == [1] and result.queue_s < 0.05  # nothing else coming: no wait
+    results, calls = _run_batcher(joined, max_queue_delay_s=0.1)
+    assert calls == [2] and all(r.batch_size == 2 for r in results)
+    result, calls = _run_batcher(abandoned, max_queue_delay_s=0.1)
+    assert calls == [1] and 0.09 <= result.queue_s < 1.0  # waited for it, but no longer than the delay
 
 
 def test_batcher_refuses_beyond_its_queue_limit_and_skips_abandoned_requests():

@@ -35,7 +35,8 @@ async def read_uploads(uploads: list[UploadFile], max_files: int) -> list[tuple[
 
 async def run_images(pool: ModelPool, served: ServedModel, images: list[bytes]):
     """Decode all images concurrently, then batch them: ([inputs], [decode seconds], [results])."""
-    prepared = await asyncio.gather(*(pool.prepare(data, served) for data in images))
+    with served.batcher.preparing():
+        prepared = await asyncio.gather(*(pool.prepare(data, served) for data in images))
     inputs, decode_s = [x for x, _ in prepared], [s for _, s in prepared]
     return inputs, decode_s, await pool.infer(served, inputs)
 

@@ -69,8 +69,9 @@ async def expression(
     ((_, data),) = await read_uploads([file], 1)
     detector = DetectorSettings(settings.face_scale_factor, settings.face_min_neighbors, settings.face_min_size,
                                 max_faces or settings.face_max, settings.face_detect_side)
-    size, boxes, regions = await asyncio.get_running_loop().run_in_executor(
-        pool.decode, find_faces, data, detect, detector, settings.face_margin, settings.max_image_pixels)
+    with served.batcher.preparing():
+        size, boxes, regions = await asyncio.get_running_loop().run_in_executor(
+            pool.decode, find_faces, data, detect, detector, settings.face_margin, settings.max_image_pixels)
     policy = served.entry.policy
     inputs = [normalise(resize_and_crop(region, policy), policy) for region in regions]
     prepared_ms = (time.perf_counter() - start) * 1e3
