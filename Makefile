@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --editable '.[train,test,loadtest]'
+	$(BIN)/pip install --quiet --editable '.[train,test,loadtest,ray]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -82,7 +82,9 @@ class RequestMetrics:
             self.metrics.request_seconds.labels(path).observe(time.perf_counter() - start)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, start_when_loaded: bool = False) -> FastAPI:
+    """The service. Models load after start-up by default, so that /health/live answers at once; with
+    `start_when_loaded` start-up itself waits for them (a Ray Serve replica takes requests once started)."""
     settings = settings or Settings()
     metrics = Metrics()
     pool = ModelPool(settings, metrics)
@@ -91,6 +93,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         pool.start()
+        if start_when_loaded:
+            await pool.loaded()
         yield
         await pool.close()
 

@@ -71,6 +71,10 @@ class ModelPool:
     def start(self) -> None:
         self._loading = asyncio.get_running_loop().create_task(self._load_all(), name="load-models")
 
+    async def loaded(self) -> None:
+        """Returns once every model is warm or has failed to load."""
+        await asyncio.shield(self._loading)
+
     async def _load_all(self) -> None:
         loop = asyncio.get_running_loop()
         cuda = False

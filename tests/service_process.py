@@ -1,5 +1,6 @@
 """Start the real service (`python -m service`) on a free loopback port, for end-to-end tests."""
 import io
+import json
 import os
 import re
 import socket
@@ -11,9 +12,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import numpy as np
+import onnxruntime as ort
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from skimage import data as photos
+
+from service.preprocess import InputPolicy, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,6 +67,15 @@ def photo_bytes(name: str, fmt: str) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(getattr(photos, name)()).save(buf, format=fmt)
     return buf.getvalue()
+
+
+def direct_probabilities(model_dir: Path, image: bytes) -> np.ndarray:
+    """What the exported model says of an image, through the service's preprocessing and a plain ORT session."""
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    x, _ = prepare(image, InputPolicy.from_manifest(manifest["input"]), 10**8)
+    session = ort.InferenceSession(model_dir / "model.onnx", providers=["CPUExecutionProvider"])
+    logits = session.run(["logits"], {"pixel_values": x[None]})[0][0].astype(np.float64)
+    return np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
 
 
 def process_metrics(text: str) -> dict[str, float]:

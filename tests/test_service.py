@@ -11,10 +11,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.http as triton
-from service_process import ROOT, metric, photo_bytes, process_metrics, running_service
+from service_process import ROOT, direct_probabilities, metric, photo_bytes, process_metrics, running_service
 
 from service.loadtest import classify_requests, run_level
-from service.preprocess import InputPolicy, prepare
 
 REPO = ROOT / "model_repository"
 JPEG, PNG = photo_bytes("chelsea", "JPEG"), photo_bytes("astronaut", "PNG")
@@ -57,11 +56,7 @@ def test_several_files_are_separate_items_of_one_batch(url):
 
 
 def test_scores_equal_a_direct_onnx_runtime_session(url):
-    manifest = json.loads((REPO / "shapes-swin" / "manifest.json").read_text())
-    x, _ = prepare(JPEG, InputPolicy.from_manifest(manifest["input"]), 10**8)
-    session = ort.InferenceSession(REPO / "shapes-swin" / "model.onnx", providers=["CPUExecutionProvider"])
-    logits = session.run(["logits"], {"pixel_values": x[None]})[0][0].astype(np.float64)
-    probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    probs = direct_probabilities(REPO / "shapes-swin", JPEG)
     r = classify(url, ("chelsea.jpg", JPEG), model="shapes-swin", top_k=6)
     got = {p["index"]: p["score"] for p in r.json()["results"][0]["predictions"]}
     np.testing.assert_allclose([got[i] for i in range(6)], probs, atol=1e-5)

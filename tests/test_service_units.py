@@ -186,7 +186,7 @@ def test_service_imports_neither_torch_nor_models():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
             assert not any(n.split(".")[0] in ("torch", "models", "export") for n in names), f"{path}: {names}"
-    # and at run time, the whole app and its server entry point load without them
-    code = ("import sys, service.app, service.__main__; "
+    # and at run time, the whole app and its server entry points load without them
+    code = ("import sys, service.app, service.__main__, service.ray_serve; "
             "bad = [m for m in ('torch', 'models', 'export') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
