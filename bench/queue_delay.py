@@ -10,14 +10,11 @@ chelsea JPEG, and /v2 infer with the same image preprocessed (no decoding).
 import argparse
 import asyncio
 import contextlib
-import io
 import json
 import statistics
 import sys
 from pathlib import Path
 
-from PIL import Image
-from skimage import data as photos
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -25,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from service.loadtest import classify_requests, run_level  # noqa: E402
 from service.preprocess import InputPolicy, prepare  # noqa: E402
 from service_overhead import v2_requests  # noqa: E402
-from service_process import running_service  # noqa: E402
+from service_process import photo_bytes, running_service  # noqa: E402
 
 
 def main() -> None:
@@ -37,10 +34,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=4.0)
     args = p.parse_args()
     manifest = json.loads((ROOT / "model_repository" / args.model / "manifest.json").read_text())
-    buf = io.BytesIO()
-    Image.fromarray(photos.chelsea()).save(buf, format="JPEG", quality=90)
-    x, _ = prepare(buf.getvalue(), InputPolicy.from_manifest(manifest["input"]), 10**9)
-    routes = {"classify": classify_requests([("chelsea.jpg", buf.getvalue())], {"model": args.model, "top_k": 1}),
+    jpeg = photo_bytes("chelsea", "JPEG", quality=90)
+    x, _ = prepare(jpeg, InputPolicy.from_manifest(manifest["input"]), 10**9)
+    routes = {"classify": classify_requests([("chelsea.jpg", jpeg)], {"model": args.model, "top_k": 1}),
               "v2": v2_requests(args.model, x)}
     figures: dict[tuple, list[float]] = {}
     with contextlib.ExitStack() as stack:

@@ -16,7 +16,6 @@ come from the environment as usual (e.g. VITSERVE_SPIN_WAIT=true), and the raw s
 """
 import argparse
 import asyncio
-import io
 import json
 import os
 import resource
@@ -28,8 +27,6 @@ from pathlib import Path
 import aiohttp
 import httpx
 import numpy as np
-from PIL import Image
-from skimage import data as photos
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,7 +36,7 @@ from service.preprocess import InputPolicy, prepare  # noqa: E402
 from service.routers.kserve import HEADER_LENGTH  # noqa: E402
 from service.runtime import Runner  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from service_process import metric, process_metrics, running_service  # noqa: E402
+from service_process import metric, photo_bytes, process_metrics, running_service  # noqa: E402
 
 MAX_BATCH = 16
 
@@ -89,9 +86,7 @@ def cpu_and_images(url: str, model: str) -> tuple[float, float, float]:
 
 def measure(repo: Path, model: str, levels: list[int], rounds: int, seconds: float) -> list[dict]:
     manifest = json.loads((repo / model / "manifest.json").read_text())
-    buf = io.BytesIO()
-    Image.fromarray(photos.chelsea()).save(buf, format="JPEG", quality=90)
-    jpeg = buf.getvalue()
+    jpeg = photo_bytes("chelsea", "JPEG", quality=90)
     x, _ = prepare(jpeg, InputPolicy.from_manifest(manifest["input"]), 10**9)
     figures = {c: {k: [] for k in ("raw", "v2", "classify", "server_ms", "client_ms")} for c in levels}
     classify, v2 = classify_requests([("chelsea.jpg", jpeg)], {"model": model, "top_k": 1}), v2_requests(model, x)

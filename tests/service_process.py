@@ -33,19 +33,56 @@ def free_port() -> int:
 def running_service(wait_ready: bool = True, **settings) -> Iterator[str]:
     """Yield the base URL of a service started with VITSERVE_<NAME> settings; stop it afterwards."""
     port = free_port()
-    env = {**os.environ, **{f"VITSERVE_{k.upper()}": str(v) for k, v in settings.items()}}
     proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            cwd=ROOT, env=service_env(settings), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(url, "/health/ready" if wait_ready else "/health/live", proc)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 10)
+
+
+@contextmanager
+def running_ray_service(replicas: int, log: Path, cpus_per_replica: float = 1.0,
+                        **settings) -> Iterator[tuple[str, str]]:
+    """`python -m service.ray_serve` on a local Ray: yield (base URL, its "N replicas running" line); stop it
+    (it deletes its application and the Ray instance it started) afterwards. Its output goes to `log`."""
+    port = free_port()
+    command = [sys.executable, "-m", "service.ray_serve", "--replicas", str(replicas),
+               "--cpus-per-replica", str(cpus_per_replica), "--port", str(port)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=service_env(settings), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield f"http://127.0.0.1:{port}", wait_for_line(log, "replicas running", proc)
+    finally:
+        stop(proc, 60)
+
+
+def service_env(settings: dict) -> dict[str, str]:
+    """This environment plus VITSERVE_<NAME> for each setting (and no Ray usage reporting)."""
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+            **{f"VITSERVE_{k.upper()}": str(v) for k, v in settings.items()}}
+
+
+def stop(proc: subprocess.Popen, grace_s: float) -> None:
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def wait_for_line(log: Path, text: str, proc: subprocess.Popen, timeout: float = 300) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [line for line in log.read_text().splitlines() if text in line]
+        if found:
+            return found[0]
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{log.read_text()}")
+        time.sleep(0.5)
+    raise TimeoutError(f"no {text!r} within {timeout}s:\n{log.read_text()}")
 
 
 def wait_for(url: str, path: str, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -62,10 +99,10 @@ def wait_for(url: str, path: str, proc: subprocess.Popen, timeout: float = 120) 
     raise TimeoutError(f"{url}{path} did not answer 200 within {timeout}s")
 
 
-def photo_bytes(name: str, fmt: str) -> bytes:
-    """A real photograph from scikit-image, encoded as JPEG or PNG."""
+def photo_bytes(name: str, fmt: str, **options) -> bytes:
+    """A real photograph from scikit-image, encoded as JPEG or PNG (`options`: Pillow's, e.g. quality=90)."""
     buf = io.BytesIO()
-    Image.fromarray(getattr(photos, name)()).save(buf, format=fmt)
+    Image.fromarray(getattr(photos, name)()).save(buf, format=fmt, **options)
     return buf.getvalue()
 
 

@@ -1,45 +1,16 @@
 """Ray Serve: the service scaled out to two replicas behind Ray's HTTP proxy, on a local Ray instance."""
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import httpx
 import numpy as np
 import pytest
-from service_process import ROOT, direct_probabilities, free_port, metric, photo_bytes
+from service_process import ROOT, direct_probabilities, metric, photo_bytes, running_ray_service
 
 JPEG = photo_bytes("chelsea", "JPEG")
 
 
-def wait_for_line(log: Path, text: str, proc: subprocess.Popen, timeout: float = 300) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [line for line in log.read_text().splitlines() if text in line]
-        if found:
-            return found[0]
-        if proc.poll() is not None:
-            raise RuntimeError(f"python -m service.ray_serve exited with {proc.returncode}:\n{log.read_text()}")
-        time.sleep(0.5)
-    raise TimeoutError(f"no {text!r} within {timeout}s:\n{log.read_text()}")
-
-
 @pytest.fixture(scope="module")
 def ray_service(tmp_path_factory):
-    port, log = free_port(), tmp_path_factory.mktemp("ray") / "serve.log"
-    env = {**os.environ, "VITSERVE_WARMUP_RUNS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "service.ray_serve", "--replicas", "2", "--port", str(port)],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield f"http://127.0.0.1:{port}", wait_for_line(log, "replicas running", proc)
-    finally:
-        proc.terminate()  # the service deletes its application and stops the Ray instance it started
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with running_ray_service(2, tmp_path_factory.mktemp("ray") / "serve.log", warmup_runs=1) as service:
+        yield service
 
 
 def test_two_replicas_start_warm_and_answer_like_the_exported_model(ray_service):
