@@ -14,6 +14,7 @@ import tritonclient.http as triton
 from service_process import ROOT, direct_probabilities, metric, photo_bytes, process_metrics, running_service
 
 from service.loadtest import classify_requests, run_level
+from service.loadtest import main as loadtest_main
 
 REPO = ROOT / "model_repository"
 JPEG, PNG = photo_bytes("chelsea", "JPEG"), photo_bytes("astronaut", "PNG")
@@ -192,3 +193,16 @@ def test_load_tester_counts_the_requests_that_complete_in_its_window(url):
     assert result.failures == {} and result.seconds == 1.5
     assert 0 < result.images < served  # the warm-up's and the tail's requests are served but not counted
     assert result.images_per_s == result.images / 1.5 and result.latency_ms["p50"] > 0
+
+
+def test_load_tester_command_line_reports_every_level_as_a_table_json_and_a_plot(url, tmp_path, capsys):
+    photo = tmp_path / "coffee.jpg"
+    photo.write_bytes(photo_bytes("coffee", "JPEG"))
+    loadtest_main(["--url", url, "--model", "shapes-vit", "--image", str(photo), "--concurrency", "1,3",
+                   "--duration", "1", "--json", str(tmp_path / "load.json"), "--plot", str(tmp_path / "load.png")])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].split()[:2] == ["concurrency", "images/s"] and [r.split()[0] for r in rows[1:]] == ["1", "3"]
+    levels = json.loads((tmp_path / "load.json").read_text())
+    assert [lv["concurrency"] for lv in levels] == [1, 3]
+    assert all(lv["images"] > 0 and lv["failures"] == {} and lv["latency_ms"]["p99"] > 0 for lv in levels)
+    assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
