@@ -3,6 +3,7 @@
     python bench/export_speed.py                       # DeiT-S and Swin-T at batch 1 and 16
     python bench/export_speed.py --models deit_tiny_patch16_224 --batches 1 8 --rounds 10
     python bench/export_speed.py --profile 16          # also: where ORT fp32 and int8 spend a batch of 16
+    python bench/export_speed.py --int8-variants       # also: per-channel and unsigned int8 weights
 
 All run the served graph (logits plus the attention outputs) from the same random weights; ONNX Runtime at
 each graph optimisation level (basic: constant folding and redundancy removal; extended: also operator
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
+from onnxruntime.quantization import QuantType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from export.graph import INPUT, MainGraph, export_graph  # noqa: E402
@@ -37,7 +39,10 @@ def ort_session(path: Path, level: ort.GraphOptimizationLevel = ort.GraphOptimiz
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def variants(name: str, cache: Path) -> tuple[dict, int]:
+INT8_VARIANTS = {"int8-perchannel": {"per_channel": True}, "int8-u8u8": {"weight_type": QuantType.QUInt8}}
+
+
+def variants(name: str, cache: Path, int8_variants: bool) -> tuple[dict, int]:
     """The callables to compare, each taking a float32 NCHW batch, and the model's input size."""
     torch.manual_seed(0)
     main = MainGraph(create_model(name))
@@ -56,6 +61,12 @@ def variants(name: str, cache: Path) -> tuple[dict, int]:
         with torch.inference_mode():
             return main(torch.from_numpy(x))
 
+    if int8_variants:  # the other ways to quantize, at the level the service uses
+        for variant, options in INT8_VARIANTS.items():
+            path = cache / f"{name}.{variant}.onnx"
+            if not path.exists():
+                quantize_int8(fp32, path, **options)
+            sessions[f"ort {variant} all"] = ort_session(path)
     calls = {"torch eager": torch_call}
     calls.update({k: (lambda s: lambda x: s.run(None, {INPUT: x}))(s) for k, s in sessions.items()})
     return calls, main.model.spec.img_size
@@ -115,20 +126,21 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--cache", type=Path, default=Path("build/bench"))
     p.add_argument("--profile", type=int, metavar="BATCH", help="also print ORT's time by operator type at BATCH")
+    p.add_argument("--int8-variants", action="store_true", help="also time per-channel and u8u8 int8 graphs")
     args = p.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count())
     print(f"CPU threads: {os.cpu_count()}, torch {torch.__version__}, onnxruntime {ort.__version__}")
-    header = f"{'model':<30} {'batch':>5} {'variant':<18} {'ms/batch':>9} {'img/s':>7} {'vs torch':>9} {'int8 vs fp32':>12}"
+    header = f"{'model':<30} {'batch':>5} {'variant':<24} {'ms/batch':>9} {'img/s':>7} {'vs torch':>9} {'int8 vs fp32':>12}"
     print(header)
     print("-" * len(header))
     for name in args.models:
-        calls, size = variants(name, args.cache)
+        calls, size = variants(name, args.cache, args.int8_variants)
         for batch in args.batches:
             med = bench(calls, batch, size, args.rounds, repeat=4 if batch == 1 else 1)
             for k, t in med.items():
-                vs_fp32 = f"{med[k.replace('int8', 'fp32')] / t:>11.2f}x" if "int8" in k else ""
-                print(f"{name:<30} {batch:>5} {k:<18} {t * 1e3:>9.1f} {batch / t:>7.1f} {med['torch eager'] / t:>8.2f}x {vs_fp32}")
+                vs_fp32 = f"{med['ort fp32 ' + k.split()[-1]] / t:>11.2f}x" if "int8" in k else ""
+                print(f"{name:<30} {batch:>5} {k:<24} {t * 1e3:>9.1f} {batch / t:>7.1f} {med['torch eager'] / t:>8.2f}x {vs_fp32}")
         if args.profile:
             print_profile(name, args.cache, args.profile, size)
 
