@@ -26,6 +26,8 @@ from ray import serve
 from .app import create_app
 from .settings import Settings
 
+NAME = "vitserve"  # of the Ray Serve application and of its one deployment
+
 
 def replica_env(cpus_per_replica: float) -> dict[str, str]:
     """The VITSERVE_* settings of this process for the replicas, with threads to match their CPUs."""
@@ -46,16 +48,15 @@ def application(replicas: int, cpus_per_replica: float, gpus_per_replica: float)
     queue_limit = Settings().queue_limit
     ingress = serve.ingress(replica_app)()  # built in each replica, from the replica's environment
     deployment = serve.deployment(
-        ingress, name="vitserve", num_replicas=replicas, max_ongoing_requests=queue_limit,
+        ingress, name=NAME, num_replicas=replicas, max_ongoing_requests=queue_limit,
         max_queued_requests=queue_limit,
         ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica,
                            "runtime_env": {"env_vars": replica_env(cpus_per_replica)}})
     return deployment.bind()
 
 
-def running_replicas(name: str = "vitserve") -> int:
-    status = serve.status().applications[name].deployments["vitserve"]
-    return status.replica_states.get("RUNNING", 0)
+def running_replicas() -> int:
+    return serve.status().applications[NAME].deployments[NAME].replica_states.get("RUNNING", 0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,8 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     ray.init(address=args.address, include_dashboard=False, logging_level="warning")
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(application(args.replicas, args.cpus_per_replica, args.gpus_per_replica), name="vitserve",
-              route_prefix="/")
+    serve.run(application(args.replicas, args.cpus_per_replica, args.gpus_per_replica), name=NAME, route_prefix="/")
     print(f"vitserve on Ray Serve: {running_replicas()} replicas running at http://{args.host}:{args.port}",
           flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `docker stop`, `kill`: leave as on Ctrl-C
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        serve.delete("vitserve")  # only this application: a joined cluster keeps its other ones
+        serve.delete(NAME)  # only this application: a joined cluster keeps its other ones
         ray.shutdown()
 
 
