@@ -2,6 +2,7 @@
 
     python -m service.ray_serve --replicas 2                                   # a local Ray instance
     python -m service.ray_serve --address auto --replicas 8 --gpus-per-replica 1   # a running Ray cluster
+    python -m service.ray_serve --replicas 2 --session-affinity     # x-session-id picks the replica
 
 Each replica runs `create_app()`: its own ONNX Runtime sessions, dynamic batcher, metrics and attention
 cache, reading the repository named by VITSERVE_MODEL_REPOSITORY (it must exist on every node). Ray's proxy
@@ -11,7 +12,9 @@ replica's ONNX Runtime uses as many threads as the CPUs it is given. Settings ar
 (VITSERVE_* variables), passed on to the replicas.
 
 Attention-map ids live in the replica that made them: with several replicas, GET /attention-map may land
-on another one and answer 404; use one replica where maps matter.
+on another one and answer 404. With --session-affinity, requests carrying the same `x-session-id` header
+reach the same replica (Ray's experimental consistent-hash router), so a client that sends one with
+/classify?attention=true and with GET /attention-map gets its maps; requests without it spread evenly.
 """
 import argparse
 import os
@@ -22,6 +25,8 @@ import time
 import ray
 from fastapi import FastAPI
 from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 
 from .app import create_app
 from .settings import Settings
@@ -43,13 +48,16 @@ def replica_app() -> FastAPI:
     return create_app(start_when_loaded=True)
 
 
-def application(replicas: int, cpus_per_replica: float, gpus_per_replica: float) -> serve.Application:
+def application(replicas: int, cpus_per_replica: float, gpus_per_replica: float,
+                session_affinity: bool = False) -> serve.Application:
     """The vitserve deployment, bound and ready for `serve.run`."""
     queue_limit = Settings().queue_limit
     ingress = serve.ingress(replica_app)()  # built in each replica, from the replica's environment
+    routing = {"request_router_config": RequestRouterConfig(request_router_class=ConsistentHashRouter)
+               } if session_affinity else {}
     deployment = serve.deployment(
         ingress, name=NAME, num_replicas=replicas, max_ongoing_requests=queue_limit,
-        max_queued_requests=queue_limit,
+        max_queued_requests=queue_limit, **routing,
         ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica,
                            "runtime_env": {"env_vars": replica_env(cpus_per_replica)}})
     return deployment.bind()
@@ -69,10 +77,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
     p.add_argument("--gpus-per-replica", type=float, default=0.0)
+    p.add_argument("--session-affinity", action="store_true",
+                   help="requests with the same x-session-id header go to the same replica")
     args = p.parse_args(argv)
     ray.init(address=args.address, include_dashboard=False, logging_level="warning")
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(application(args.replicas, args.cpus_per_replica, args.gpus_per_replica), name=NAME, route_prefix="/")
+    app = application(args.replicas, args.cpus_per_replica, args.gpus_per_replica, args.session_affinity)
+    serve.run(app, name=NAME, route_prefix="/")
     print(f"vitserve on Ray Serve: {running_replicas()} replicas running at http://{args.host}:{args.port}",
           flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `docker stop`, `kill`: leave as on Ctrl-C

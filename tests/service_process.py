@@ -44,13 +44,14 @@ def running_service(wait_ready: bool = True, **settings) -> Iterator[str]:
 
 
 @contextmanager
-def running_ray_service(replicas: int, log: Path, cpus_per_replica: float = 1.0,
+def running_ray_service(replicas: int, log: Path, cpus_per_replica: float = 1.0, session_affinity: bool = False,
                         **settings) -> Iterator[tuple[str, str]]:
     """`python -m service.ray_serve` on a local Ray: yield (base URL, its "N replicas running" line); stop it
     (it deletes its application and the Ray instance it started) afterwards. Its output goes to `log`."""
     port = free_port()
     command = [sys.executable, "-m", "service.ray_serve", "--replicas", str(replicas),
                "--cpus-per-replica", str(cpus_per_replica), "--port", str(port)]
+    command += ["--session-affinity"] if session_affinity else []
     with log.open("w") as out:
         proc = subprocess.Popen(command, cwd=ROOT, env=service_env(settings), stdout=out, stderr=subprocess.STDOUT)
     try:

@@ -9,7 +9,8 @@ JPEG = photo_bytes("chelsea", "JPEG")
 
 @pytest.fixture(scope="module")
 def ray_service(tmp_path_factory):
-    with running_ray_service(2, tmp_path_factory.mktemp("ray") / "serve.log", warmup_runs=1) as service:
+    log = tmp_path_factory.mktemp("ray") / "serve.log"
+    with running_ray_service(2, log, session_affinity=True, warmup_runs=1) as service:
         yield service
 
 
@@ -35,3 +36,14 @@ def test_requests_are_spread_over_both_replicas(ray_service):
     # each replica has its own metrics: an odd count split over two replicas shows two different totals
     seen = {metric(httpx.get(f"{url}/metrics").text, "vitserve_images_total", model="shapes-vit") for _ in range(30)}
     assert len(seen) == 2 and sum(seen) == 21
+
+
+def test_a_session_header_brings_attention_maps_back_from_the_replica_that_made_them(ray_service):
+    url, _ = ray_service
+    for session in ("alice", "bob", "carol"):
+        headers = {"x-session-id": session}
+        r = httpx.post(f"{url}/classify", files={"file": ("chelsea.jpg", JPEG)}, headers=headers,
+                       params={"model": "shapes-vit", "attention": "true"}, timeout=60)
+        map_url = r.json()["results"][0]["attention_map_url"]
+        # without the header about half of these would reach the other replica, which never saw the id
+        assert all(httpx.get(f"{url}{map_url}", headers=headers, timeout=60).status_code == 200 for _ in range(8))
