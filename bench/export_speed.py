@@ -39,34 +39,38 @@ def ort_session(path: Path, level: ort.GraphOptimizationLevel = ort.GraphOptimiz
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-INT8_VARIANTS = {"int8-perchannel": {"per_channel": True}, "int8-u8u8": {"weight_type": QuantType.QUInt8}}
+# int8 is what `python -m export --precision int8` writes; the others are only timed with --int8-variants
+QUANTIZED = {"int8": {}, "int8-perchannel": {"per_channel": True}, "int8-u8u8": {"weight_type": QuantType.QUInt8}}
+LEVELS = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+          "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+
+
+def graph_path(cache: Path, name: str, precision: str) -> Path:
+    return cache / (f"{name}.onnx" if precision == "fp32" else f"{name}.{precision}.onnx")
 
 
 def variants(name: str, cache: Path, int8_variants: bool) -> tuple[dict, int]:
     """The callables to compare, each taking a float32 NCHW batch, and the model's input size."""
     torch.manual_seed(0)
     main = MainGraph(create_model(name))
-    fp32, int8 = cache / f"{name}.onnx", cache / f"{name}.int8.onnx"
+    fp32 = graph_path(cache, name, "fp32")
     if not fp32.exists():
         print(f"exporting {name} ...", file=sys.stderr)
         export_graph(main, main.model.spec.img_size, fp32)
-    if not int8.exists():
-        quantize_int8(fp32, int8)
-    levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
-    sessions = {f"ort {precision} {level}": ort_session(path, value)
-                for precision, path in (("fp32", fp32), ("int8", int8)) for level, value in levels.items()}
+    quantized = list(QUANTIZED) if int8_variants else ["int8"]
+    for precision in quantized:
+        if not graph_path(cache, name, precision).exists():
+            quantize_int8(fp32, graph_path(cache, name, precision), **QUANTIZED[precision])
+    # fp32 and int8 at every optimisation level; the other int8 variants at the level the service uses
+    sessions = {f"ort {precision} {level}": ort_session(graph_path(cache, name, precision), value)
+                for precision in ("fp32", "int8") for level, value in LEVELS.items()}
+    sessions.update({f"ort {precision} all": ort_session(graph_path(cache, name, precision))
+                     for precision in quantized[1:]})
 
     def torch_call(x):
         with torch.inference_mode():
             return main(torch.from_numpy(x))
 
-    if int8_variants:  # the other ways to quantize, at the level the service uses
-        for variant, options in INT8_VARIANTS.items():
-            path = cache / f"{name}.{variant}.onnx"
-            if not path.exists():
-                quantize_int8(fp32, path, **options)
-            sessions[f"ort {variant} all"] = ort_session(path)
     calls = {"torch eager": torch_call}
     calls.update({k: (lambda s: lambda x: s.run(None, {INPUT: x}))(s) for k, s in sessions.items()})
     return calls, main.model.spec.img_size
@@ -93,8 +97,7 @@ def op_times(path: Path, batch: int, size: int, runs: int = 3) -> dict[str, floa
 
 
 def print_profile(name: str, cache: Path, batch: int, size: int) -> None:
-    profiles = {precision: op_times(cache / f"{name}{suffix}.onnx", batch, size)
-                for precision, suffix in (("fp32", ""), ("int8", ".int8"))}
+    profiles = {precision: op_times(graph_path(cache, name, precision), batch, size) for precision in ("fp32", "int8")}
     print(f"\n{name}, batch {batch}: ms per batch by operator type (ORT's profile of 3 runs)")
     for precision, times in profiles.items():
         total = sum(times.values())
@@ -131,7 +134,8 @@ def main() -> None:
     args.cache.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count())
     print(f"CPU threads: {os.cpu_count()}, torch {torch.__version__}, onnxruntime {ort.__version__}")
-    header = f"{'model':<30} {'batch':>5} {'variant':<24} {'ms/batch':>9} {'img/s':>7} {'vs torch':>9} {'int8 vs fp32':>12}"
+    header = (f"{'model':<30} {'batch':>5} {'variant':<24} {'ms/batch':>9} {'img/s':>7} {'vs torch':>9} "
+              f"{'int8 vs fp32':>12}")
     print(header)
     print("-" * len(header))
     for name in args.models:
@@ -140,7 +144,8 @@ def main() -> None:
             med = bench(calls, batch, size, args.rounds, repeat=4 if batch == 1 else 1)
             for k, t in med.items():
                 vs_fp32 = f"{med['ort fp32 ' + k.split()[-1]] / t:>11.2f}x" if "int8" in k else ""
-                print(f"{name:<30} {batch:>5} {k:<24} {t * 1e3:>9.1f} {batch / t:>7.1f} {med['torch eager'] / t:>8.2f}x {vs_fp32}")
+                print(f"{name:<30} {batch:>5} {k:<24} {t * 1e3:>9.1f} {batch / t:>7.1f} "
+                      f"{med['torch eager'] / t:>8.2f}x {vs_fp32}")
         if args.profile:
             print_profile(name, args.cache, args.profile, size)
 

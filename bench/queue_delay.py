@@ -51,7 +51,8 @@ def main() -> None:
     print(f"{'clients':>7} {'route':<9}" + "".join(f"{f'{d:g} ms':>10}" for d in args.delays))
     for c in args.levels:
         for route in routes:
-            print(f"{c:>7} {route:<9}" + "".join(f"{statistics.median(figures[c, route, d]):>10.1f}" for d in args.delays))
+            medians = [statistics.median(figures[c, route, d]) for d in args.delays]
+            print(f"{c:>7} {route:<9}" + "".join(f"{m:>10.1f}" for m in medians))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for c in args.levels:
                 for name, url in urls.items():
-                    figures.setdefault((c, name), []).append(asyncio.run(run_level(url, send, c, args.seconds)).images_per_s)
+                    level = asyncio.run(run_level(url, send, c, args.seconds))
+                    figures.setdefault((c, name), []).append(level.images_per_s)
     print(f"{args.model}, /classify with one JPEG per request, {cores} CPU cores, medians of {args.rounds} rounds "
           f"of {args.seconds:g}s (images/s)")
     print(f"{'clients':>7}" + "".join(f"{name:>26}" for name in urls))

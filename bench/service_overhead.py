@@ -122,7 +122,8 @@ def main() -> None:
     for model in args.models:
         repo = ROOT / "model_repository" if (ROOT / "model_repository" / model).is_dir() else full_size_repo(args.cache)
         for r in measure(repo, model, args.levels, args.rounds, args.seconds):
-            print(f"{r['model']:<24} {r['concurrency']:>7} {r['raw']:>10.1f} {r['v2']:>7.1f} ({r['v2'] / r['raw']:>4.0%}) "
+            print(f"{r['model']:<24} {r['concurrency']:>7} {r['raw']:>10.1f} "
+                  f"{r['v2']:>7.1f} ({r['v2'] / r['raw']:>4.0%}) "
                   f"{r['classify']:>8.1f} ({r['classify'] / r['raw']:>4.0%}) {r['server_ms']:>19.2f} "
                   f"{r['client_ms']:>7.2f}", flush=True)
 

@@ -96,7 +96,8 @@ class WindowAttention(nn.Module):
             windows = mask.shape[0]
             bias = (bias + mask.unsqueeze(1)).reshape(1, windows * heads, N, N)
             q, k, v = (t.reshape(-1, windows * heads, N, C // heads) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.0)
+        dropout = self.attn_drop if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
         out = self.proj_drop(self.proj(out.reshape(B_, heads, N, -1).transpose(1, 2).reshape(B_, N, C)))
         if not received:
             return out

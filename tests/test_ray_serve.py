@@ -22,8 +22,8 @@ def test_two_replicas_start_warm_and_answer_like_the_exported_model(ray_service)
                    params={"model": "shapes-swin", "top_k": 6}, timeout=60)
     assert r.status_code == 200
     got = {p["index"]: p["score"] for p in r.json()["results"][0]["predictions"]}
-    np.testing.assert_allclose([got[i] for i in range(6)], direct_probabilities(ROOT / "model_repository" / "shapes-swin", JPEG),
-                               atol=1e-5)
+    want = direct_probabilities(ROOT / "model_repository" / "shapes-swin", JPEG)
+    np.testing.assert_allclose([got[i] for i in range(6)], want, atol=1e-5)
     bad = httpx.post(f"{url}/classify", files={"file": ("x.jpg", b"not an image")})
     assert bad.status_code == 415 and bad.json()["error"]["code"] == "unsupported_media_type"
 
