@@ -5,6 +5,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 VITSERVE_HOST=0.0.0.0
 WORKDIR /app
 
 COPY pyproject.toml README.md ./
+COPY repository ./repository
 COPY service ./service
 RUN pip install --no-cache-dir --editable . && useradd --create-home vitserve
 COPY model_repository ./model_repository

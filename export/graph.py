@@ -6,6 +6,12 @@ The main graph outputs the logits and what attention maps need, computed beside 
   Swin:     `attention` [B, heads, H*W], the attention each last-stage token receives in the last block,
             averaged over its window's queries.
 The explain graph outputs every block's full attention probabilities (`attention_0` ...) for rollout.
+
+Both take two inputs, fed together on every run: `images`, uint8 [B1, H, W, 3] pixels that the graph casts,
+scales, normalises with the model's mean/std and transposes itself (so the host sends a quarter of the bytes
+and does no float work per pixel), and `pixel_values`, float32 [B2, 3, H, W] already normalised (for clients
+that preprocess themselves, the KServe v2 FP32 input). Either may have batch 0; the outputs hold B1 + B2 rows,
+the images' first.
 """
 import collections
 import logging
@@ -20,14 +26,30 @@ from models.swin_transformer import SwinTransformer
 from models.vision_transformer import VisionTransformer
 
 OPSET = 23
-INPUT = "pixel_values"
+IMAGES, TENSOR = "images", "pixel_values"
 FUSED_ATTENTION = {"Attention", "com.microsoft:MultiHeadAttention", "com.microsoft:Attention"}
+
+
+class ImageInput(nn.Module):
+    """uint8 [B1, H, W, 3] images and float [B2, 3, H, W] normalised pixels -> the model's input [B1 + B2, ...]."""
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
+        super().__init__()
+        mean, std = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+        # (x / 255 - mean) / std as one multiply-add
+        self.register_buffer("scale", 1 / (255 * std))
+        self.register_buffer("shift", -mean / std)
+
+    def forward(self, images: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = images.permute(0, 3, 1, 2).float() * self.scale + self.shift  # transposed while still 1 byte a pixel
+        return torch.cat([x, pixel_values])
 
 
 class MainGraph(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model.eval()
+        self.input = ImageInput(model.spec.mean, model.spec.std)
 
     @property
     def output_names(self) -> list[str]:
@@ -35,8 +57,8 @@ class MainGraph(nn.Module):
             return ["logits", "attention"]
         return ["logits", "cls_attention", "dist_attention"] if self.model.distilled else ["logits", "cls_attention"]
 
-    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits, attention = self.model.forward_with_attention(pixel_values)
+    def forward(self, images: torch.Tensor, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits, attention = self.model.forward_with_attention(self.input(images, pixel_values))
         if isinstance(self.model, SwinTransformer):
             return logits, attention
         return (logits, *attention.unbind(dim=2))  # one [B, heads, patches] output per prefix token
@@ -46,26 +68,29 @@ class ExplainGraph(nn.Module):
     def __init__(self, model: VisionTransformer):
         super().__init__()
         self.model = model.eval()
+        self.input = ImageInput(model.spec.mean, model.spec.std)
 
     @property
     def output_names(self) -> list[str]:
         return [f"attention_{i}" for i in range(len(self.model.blocks))]
 
-    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(self.model.attention_probabilities(pixel_values))
+    def forward(self, images: torch.Tensor, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.model.attention_probabilities(self.input(images, pixel_values)))
 
 
 def export_graph(module: MainGraph | ExplainGraph, img_size: int, path: Path) -> onnx.ModelProto:
     """Export `module` to a single self-contained .onnx file at `path` and return the graph."""
     # The exporter warns about every torchvision op it cannot register; torchvision is not used here.
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    example = torch.randn(2, 3, img_size, img_size)
-    batch = torch.export.Dim("batch", min=1, max=4096)
+    # batch 2 each, so that neither axis is specialised to 0 or 1; the graph runs with either at 0
+    example = (torch.zeros(2, img_size, img_size, 3, dtype=torch.uint8), torch.randn(2, 3, img_size, img_size))
+    batches = {IMAGES: {0: torch.export.Dim("images_batch", min=1, max=4096)},
+               TENSOR: {0: torch.export.Dim("tensor_batch", min=1, max=4096)}}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            module, (example,), dynamo=True, opset_version=OPSET, input_names=[INPUT],
-            output_names=module.output_names, dynamic_shapes={INPUT: {0: batch}}, verbose=False)
+            module, example, dynamo=True, opset_version=OPSET, input_names=[IMAGES, TENSOR],
+            output_names=module.output_names, dynamic_shapes=batches, verbose=False)
     proto = program.model_proto
     # The exporter can leave stale intermediate shapes that make ONNX shape inference fail later.
     del proto.graph.value_info[:]

@@ -1,10 +1,11 @@
-"""The model repository manifest, validated with the service's own reader (one contract, one check)."""
+"""The model repository manifest, validated by the repository package, which the service reads with (one contract,
+one check)."""
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 
-from service.repository import sha256
-from service.repository import validate_manifest as validate
+from repository import sha256
+from repository import validate_manifest as validate
 
 __all__ = ["file_entry", "now", "package_versions", "sha256", "validate"]
 

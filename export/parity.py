@@ -1,8 +1,10 @@
 """The parity gate: an exported graph must give the model's answers.
 
 fp32 graphs are compared with PyTorch on real photographs (scikit-image's), preprocessed the model's way,
-and on random inputs: logits within 1e-4 and attention outputs within 1e-4. fp16/int8 graphs are compared
-with the fp32 graph: top-1 agreement >= 99% on a held-out set (--eval-data), else on the same inputs.
+and on random inputs: logits within 1e-4 and attention outputs within 1e-4, through the float `pixel_values`
+input, and the photos again as uint8 through the `images` input (the graph's own normalisation). fp16/int8
+graphs are compared with the fp32 graph: top-1 agreement >= 99% on a held-out set (--eval-data, as uint8
+images, the way the service sends them), else on the same inputs.
 """
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +16,9 @@ from PIL import Image
 from skimage import data as photos
 
 from models.data import ImageFolder, list_images, normalise, preprocess
+from repository import graph_inputs
 
-from .graph import INPUT
+from .graph import IMAGES, TENSOR
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "hubble_deep_field", "immunohistochemistry", "coins")
 FP32_ABS_TOLERANCE = 1e-4
@@ -28,8 +31,10 @@ class ParityError(RuntimeError):
 
 @dataclass
 class GateInputs:
-    """Normalised [N, 3, S, S] batches: photos + random inputs, and an optional labelled held-out set."""
+    """probe: normalised float [N, 3, S, S], the photos then random inputs; photos: the same photos as uint8
+    [P, S, S, 3]; heldout: an optional labelled set, uint8 [M, S, S, 3]."""
     probe: torch.Tensor
+    photos: torch.Tensor
     heldout: torch.Tensor | None = None
     heldout_labels: torch.Tensor | None = None
     sources: dict = field(default_factory=dict)
@@ -38,29 +43,37 @@ class GateInputs:
 def gate_inputs(spec, eval_data: Path | None = None, seed: int = 0) -> GateInputs:
     size, policy = spec.img_size, (spec.crop_pct, spec.interpolation)
     images = [Image.fromarray(getattr(photos, name)()).convert("RGB") for name in PHOTOS]
-    real = normalise(torch.stack([preprocess(im, size, *policy) for im in images]) / 255, spec)
+    pixels = torch.stack([preprocess(im, size, *policy) for im in images])
     noise = torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(seed))
-    inputs = GateInputs(torch.cat([real, noise]), sources={"photos": list(PHOTOS), "random": 4})
+    inputs = GateInputs(torch.cat([normalise(pixels / 255, spec), noise]), pixels.permute(0, 2, 3, 1).contiguous(),
+                        sources={"photos": list(PHOTOS), "random": 4})
     if eval_data is not None:
         items = list_images(eval_data, list(spec.labels))
         if not items:
             raise ParityError(f"no images of the model's classes ({', '.join(spec.labels)}) under {eval_data}")
         dataset = ImageFolder(items, size, *policy)
-        inputs.heldout = normalise(torch.stack([dataset[i][0] for i in range(len(dataset))]) / 255, spec)
+        inputs.heldout = torch.stack([dataset[i][0] for i in range(len(dataset))]).permute(0, 2, 3, 1).contiguous()
         inputs.heldout_labels = torch.tensor([label for _, label in items])
         inputs.sources["heldout"] = {"path": str(eval_data), "images": len(items)}
     return inputs
 
 
 def run_session(session: ort.InferenceSession, x: torch.Tensor, batch: int = 64) -> list[np.ndarray]:
-    parts = [session.run(None, {INPUT: x[i:i + batch].numpy()}) for i in range(0, len(x), batch)]
+    parts = [session.run(None, graph_inputs(x[i:i + batch].numpy(), (IMAGES, TENSOR)))
+             for i in range(0, len(x), batch)]
     return [np.concatenate(outs) for outs in zip(*parts)]
 
 
 def run_torch(module: torch.nn.Module, x: torch.Tensor, batch: int = 64) -> list[np.ndarray]:
+    """The exported module on normalised float [N, 3, H, W] pixels."""
+    no_images = torch.zeros(0, *x.shape[2:], 3, dtype=torch.uint8)
     with torch.no_grad():
-        parts = [[t.numpy() for t in module(x[i:i + batch])] for i in range(0, len(x), batch)]
+        parts = [[t.numpy() for t in module(no_images, x[i:i + batch])] for i in range(0, len(x), batch)]
     return [np.concatenate(outs) for outs in zip(*parts)]
+
+
+def _max_diffs(names: list[str], got: list[np.ndarray], want: list[np.ndarray]) -> dict[str, float]:
+    return {n: float(np.abs(g - w).max()) for n, g, w in zip(names, got, want)}
 
 
 def _agreement(a: np.ndarray, b: np.ndarray) -> float:
@@ -71,17 +84,21 @@ def check_fp32(session: ort.InferenceSession, module: torch.nn.Module, inputs: G
     """ONNX Runtime against PyTorch; raises ParityError beyond tolerance."""
     names = [o.name for o in session.get_outputs()]
     got, want = run_session(session, inputs.probe), run_torch(module, inputs.probe)
+    # the photos once more, as uint8 through the graph's own normalisation
+    from_images = _max_diffs(names, run_session(session, inputs.photos), [w[:len(inputs.photos)] for w in want])
     report = {
         "reference": "torch",
         "provider": session.get_providers()[0],
         "inputs": inputs.sources,
         "logits_max_abs_diff": float(np.abs(got[0] - want[0]).max()),
         "top1_agreement": _agreement(got[0], want[0]),
-        "attention_max_abs_diff": {n: float(np.abs(g - w).max()) for n, g, w in zip(names[1:], got[1:], want[1:])},
+        "attention_max_abs_diff": _max_diffs(names[1:], got[1:], want[1:]),
+        "images_input_max_abs_diff": from_images,
     }
-    worst = max([report["logits_max_abs_diff"], *report["attention_max_abs_diff"].values()])
+    worst = max([report["logits_max_abs_diff"], *report["attention_max_abs_diff"].values(), *from_images.values()])
     if worst > FP32_ABS_TOLERANCE:
-        raise ParityError(f"ONNX Runtime differs from PyTorch by {worst:.3g} (tolerance {FP32_ABS_TOLERANCE}): {report}")
+        raise ParityError(f"ONNX Runtime differs from PyTorch by {worst:.3g} (tolerance {FP32_ABS_TOLERANCE}): "
+                          f"{report}")
     if inputs.heldout is not None:
         logits = run_session(session, inputs.heldout)[0]
         report["heldout_accuracy"] = float((logits.argmax(1) == inputs.heldout_labels.numpy()).mean())
@@ -100,8 +117,7 @@ def check_reduced(session: ort.InferenceSession, fp32: ort.InferenceSession, inp
         "agreement_on": "heldout" if heldout else "probe",
         "top1_agreement": _agreement(got[0], want[0]),
         "logits_max_abs_diff": float(np.abs(got[0] - want[0]).max()),
-        "attention_max_abs_diff": {o.name: float(np.abs(g - w).max())
-                                   for o, g, w in zip(session.get_outputs()[1:], got[1:], want[1:])},
+        "attention_max_abs_diff": _max_diffs([o.name for o in session.get_outputs()[1:]], got[1:], want[1:]),
     }
     if heldout:
         labels = inputs.heldout_labels.numpy()

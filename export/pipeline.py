@@ -21,7 +21,7 @@ from models import create_model, get_spec, load_weights
 from models.swin_transformer import SwinTransformer
 
 from . import manifest as mf
-from .graph import (INPUT, OPSET, ExplainGraph, MainGraph, expected_attention_blocks, export_graph,
+from .graph import (IMAGES, OPSET, TENSOR, ExplainGraph, MainGraph, expected_attention_blocks, export_graph,
                     fused_attention_count, op_counts, unfused_attention)
 from .parity import FP32_ABS_TOLERANCE, ParityError, check_fp32, check_reduced, gate_inputs, run_session, run_torch
 from .precision import CONVERTERS
@@ -189,16 +189,18 @@ def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, 
               parity: dict, files: dict, explain_outputs: list[str]) -> dict:
     spec = model.spec
     return {
-        "schema_version": 1,
+        "schema_version": 2,
         "name": name,
         "architecture": spec.name,
         "family": "swin" if isinstance(model, SwinTransformer) else "vit",
         "distilled": bool(getattr(model, "distilled", False)),
         "task": args.task or spec.task,
         "labels": labels,
-        "input": {"name": INPUT, "dtype": "float32", "layout": "NCHW", "size": [spec.img_size, spec.img_size],
+        "input": {"name": IMAGES, "dtype": "uint8", "layout": "NHWC", "size": [spec.img_size, spec.img_size],
                   "resize_short_side": round(spec.img_size / spec.crop_pct), "crop": "center",
-                  "interpolation": spec.interpolation, "mean": list(spec.mean), "std": list(spec.std)},
+                  "interpolation": spec.interpolation, "mean": list(spec.mean), "std": list(spec.std),
+                  "in_graph": "cast to float32, (x / 255 - mean) / std, NHWC to NCHW"},
+        "tensor_input": {"name": TENSOR, "dtype": "float32", "layout": "NCHW"},
         "outputs": _outputs(proto),
         "attention": _attention_section(model, explain_outputs),
         "precision": args.precision,

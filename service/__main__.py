@@ -1,12 +1,26 @@
-"""Run the service: `python -m service [--host H] [--port P]` (other settings: VITSERVE_* variables)."""
+"""Run the service: `python -m service [--host H] [--port P] [--backend thread|process] [--workers N]`
+(other settings: VITSERVE_* variables)."""
 import argparse
 import logging
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 import uvicorn
 
-from .app import create_app
-from .repository import RepositoryError
+from repository import RepositoryError, servable
+
+from .runtime import CUDA, choose_device
 from .settings import Settings
+
+log = logging.getLogger("vitserve")
+
+
+def probe_device(settings: Settings) -> str:
+    """The device the models would run on, found in a throwaway process, so that this one holds no GPU context."""
+    entries, _ = servable(settings.model_repository)
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as probe:
+        return probe.submit(choose_device, entries, settings.providers).result()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -14,14 +28,28 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m service", description=__doc__)
     parser.add_argument("--host", default=settings.host)
     parser.add_argument("--port", type=int, default=settings.port)
+    parser.add_argument("--backend", default=settings.backend, choices=["auto", "thread", "process"])
+    parser.add_argument("--workers", type=int, default=settings.workers, help="HTTP workers of the process backend")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings.model_copy(update={"host": args.host, "port": args.port, "backend": args.backend,
+                                           "workers": args.workers})
     try:
-        app = create_app(settings.model_copy(update={"host": args.host, "port": args.port}))
+        backend = settings.backend
+        if backend == "auto":
+            backend = "process" if probe_device(settings) == CUDA else "thread"
+            log.info("backend: %s", backend)
+        if backend == "process":
+            from .backends.supervisor import serve
+            servable(settings.model_repository)  # a broken repository fails before any process starts
+            sys.exit(serve(settings, args.log_level))
+        from .app import create_app
+        app = create_app(settings)
     except RepositoryError as e:
         raise SystemExit(f"error: {e}") from None
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .errors import APIError
-from .preprocess import InputPolicy
+from .errors import BadInput
 
 COLORMAPS_PATH = Path(__file__).with_name("colormaps.json")
 
@@ -33,7 +32,7 @@ def reduce_heads(rows: np.ndarray, head: str) -> np.ndarray:
         return rows.max(axis=0)
     index = int(head)
     if not 0 <= index < rows.shape[0]:
-        raise APIError(400, "bad_head", f"head {index} is out of range: this model has {rows.shape[0]} heads")
+        raise BadInput(f"head {index} is out of range: this model has {rows.shape[0]} heads", "bad_head")
     return rows[index]
 
 
@@ -45,7 +44,7 @@ def _tokens(attention: dict, token: str) -> list[str]:
     wanted = ["cls", "dist"] if token == "both" else [token]
     missing = [t for t in wanted if t not in outputs]
     if missing:
-        raise APIError(400, "bad_token", f"this model has no {missing[0]} token; tokens: {', '.join(outputs)}")
+        raise BadInput(f"this model has no {missing[0]} token; tokens: {', '.join(outputs)}", "bad_token")
     return wanted
 
 
@@ -60,11 +59,15 @@ def last_layer_grid(outputs: dict[str, np.ndarray], attention: dict, token: str,
     return normalise(np.mean(maps, axis=0).reshape(attention["grid"]))
 
 
+def check_rollout(attention: dict) -> None:
+    if "received" in attention["outputs"]:
+        raise BadInput("rollout follows a [CLS] token through the layers: it is defined for ViT/DeiT models; use "
+                       "method=last for Swin", "rollout_unavailable")
+
+
 def rollout_grid(layers: list[np.ndarray], attention: dict, token: str, head: str) -> np.ndarray:
     """One image's per-layer attention [heads, N, N] (explain graph) -> rollout [gh, gw] in [0, 1]."""
-    if "received" in attention["outputs"]:
-        raise APIError(400, "rollout_unavailable", "rollout follows a [CLS] token through the layers: it is "
-                                                   "defined for ViT/DeiT models; use method=last for Swin")
+    check_rollout(attention)
     n = layers[0].shape[-1]
     rollout = np.eye(n)
     for probs in layers:
@@ -75,35 +78,25 @@ def rollout_grid(layers: list[np.ndarray], attention: dict, token: str, head: st
     return normalise(np.mean(rows, axis=0).reshape(attention["grid"]))
 
 
-def crop_box(image_size: tuple[int, int], policy: InputPolicy) -> tuple[float, float, float, float]:
-    """The part of the original image (x0, y0, x1, y1 in its pixels) that the model saw after resize + crop."""
-    w, h = image_size
-    scale = policy.resize_short_side / min(w, h)
-    rw, rh = max(policy.resize_short_side, round(w * scale)), max(policy.resize_short_side, round(h * scale))
-    out_h, out_w = policy.size
-    left, top = (rw - out_w) // 2, (rh - out_h) // 2
-    sx, sy = w / rw, h / rh
-    return left * sx, top * sy, (left + out_w) * sx, (top + out_h) * sy
-
-
 @cache
 def colormap(name: str) -> np.ndarray:
     tables = json.loads(COLORMAPS_PATH.read_text())
     if name not in tables or name == "source":
-        raise APIError(400, "bad_colormap", f"unknown colormap {name!r}; colormaps: "
-                                            f"{', '.join(k for k in tables if k != 'source')}")
+        raise BadInput(f"unknown colormap {name!r}; colormaps: {', '.join(k for k in tables if k != 'source')}",
+                       "bad_colormap")
     return np.frombuffer(bytes.fromhex(tables[name]), np.uint8).reshape(256, 3)
 
 
-def render_png(image: Image.Image, grid: np.ndarray, box: tuple[float, float, float, float], overlay: bool,
+def render_png(photo: np.ndarray, grid: np.ndarray, box: tuple[float, float, float, float], overlay: bool,
                alpha: float, cmap: str) -> bytes:
-    """The grid upsampled (bilinear) over the region the model saw, coloured, over the photo or alone."""
+    """The grid upsampled (bilinear) over the region the model saw (`box`, in the photo's pixels), coloured,
+    over the photo (uint8 [h, w, 3]) or alone."""
     lut = colormap(cmap)
     x0, y0, x1, y1 = (round(v) for v in box)
     heat = Image.fromarray(grid.astype(np.float32), mode="F").resize((x1 - x0, y1 - y0), Image.BILINEAR)
     heat = lut[(np.clip(np.asarray(heat), 0, 1) * 255).round().astype(np.uint8)]
     if overlay:
-        canvas = np.asarray(image.convert("RGB"), np.float32)
+        canvas = photo.astype(np.float32)
         region = canvas[y0:y1, x0:x1]
         canvas[y0:y1, x0:x1] = (1 - alpha) * region + alpha * heat[: region.shape[0], : region.shape[1]]
         out = Image.fromarray(canvas.round().astype(np.uint8))

@@ -1,14 +1,19 @@
-"""Dynamic batching, one batcher per model, with Triton's semantics.
+"""Dynamic batching, one batcher per served graph, with Triton's semantics.
 
-Images queue up; a batch runs as soon as it holds max_batch_size images or its oldest image has waited
-max_queue_delay. While a batch runs (in the inference thread, off the event loop) the next one gathers, so
-under load batches fill without waiting at all. Unlike Triton, the batcher knows which requests are still
-decoding their images for this model (`preparing`): a partial batch waits only while one is, since nothing
-else could join it, so a lone client never pays the delay. Each image's row of every output goes back to its request.
-Beyond queue_limit queued images, new requests are refused at once instead of growing the queue.
+Requests (each a block of image records) queue up; a batch runs as soon as it holds max_batch_size images or
+its oldest image has waited max_queue_delay. A request larger than the room left is split across batches.
+Unlike Triton, the batcher knows which requests are still decoding their images for this graph
+(`preparing`): a partial batch waits only while one is, since nothing else could join it, so a lone client
+never pays the delay. Where decoding happens in other processes (the process backend's inference server),
+the batcher cannot see it, and a partial batch waits up to the delay, as in Triton.
+Up to `concurrency` batches run at once in the executor (2 on a GPU: one is copied in and post-processed while
+the other computes); results are written into the requests' records there, and each request's future is
+resolved once all its images are done. Beyond queue_limit queued images, new requests are refused at once
+instead of growing the queue.
 """
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
@@ -17,49 +22,53 @@ from dataclasses import dataclass
 import numpy as np
 
 from .metrics import Metrics
+from .records import Part
 
 
 class QueueFull(Exception):
-    """The model's queue is at its limit."""
+    """The graph's queue is at its limit."""
 
 
 @dataclass
-class Result:
-    outputs: dict[str, np.ndarray]  # this image's row of every output
-    queue_s: float
-    inference_s: float
-    batch_size: int
-
-
-@dataclass
-class _Item:
-    x: np.ndarray
+class _Request:
+    records: np.ndarray
+    top_k: int
     future: asyncio.Future
     enqueued: float
+    taken: int = 0  # records already in a batch
+    left: int = 0  # records without results yet
+
+
+# runs one batch in the executor: (parts, each part's queue ms) -> inference seconds
+RunBatch = Callable[[list[Part], list[float]], float]
 
 
 class Batcher:
-    def __init__(self, model: str, run: Callable[[np.ndarray], dict[str, np.ndarray]], executor: Executor,
-                 metrics: Metrics, max_batch_size: int, max_queue_delay_s: float, queue_limit: int):
-        self.model, self.run, self.executor, self.metrics = model, run, executor, metrics
+    def __init__(self, name: str, run: RunBatch, executor: Executor, metrics: Metrics, max_batch_size: int,
+                 max_queue_delay_s: float, queue_limit: int, concurrency: int = 1, sees_preparing: bool = True):
+        self.name, self.run, self.executor, self.metrics = name, run, executor, metrics
         self.max_batch_size, self.max_queue_delay_s, self.queue_limit = max_batch_size, max_queue_delay_s, queue_limit
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._waiting: deque[_Request] = deque()
+        self._arrived = asyncio.Event()
+        self._slots = asyncio.Semaphore(concurrency)
+        self._running: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         self._preparing = 0  # requests decoding images that will come to this batcher
+        self.sees_preparing = sees_preparing
+        self.depth = 0  # queued images not yet in a batch
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.model}")
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
 
     async def stop(self) -> None:
+        """Stop taking batches; the running ones finish, what still waits is cancelled."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        while not self._queue.empty():
-            self._queue.get_nowait().future.cancel()
-
-    @property
-    def depth(self) -> int:
-        return self._queue.qsize()
+        await asyncio.gather(*self._running, return_exceptions=True)
+        for request in self._waiting:
+            request.future.cancel()
+        self._waiting.clear()
 
     @contextmanager
     def preparing(self) -> Iterator[None]:
@@ -70,55 +79,84 @@ class Batcher:
         finally:
             self._preparing -= 1
 
-    def submit(self, images: list[np.ndarray]) -> list[asyncio.Future]:
-        """Queue the images (each [3, H, W]) and return one future per image; all or none are queued."""
-        if self.depth + len(images) > self.queue_limit:
-            raise QueueFull(f"{self.model} has {self.depth} images queued; the limit is {self.queue_limit}")
-        loop, now = asyncio.get_running_loop(), time.perf_counter()
-        futures = []
-        for x in images:
-            item = _Item(x, loop.create_future(), now)
-            self._queue.put_nowait(item)
-            futures.append(item.future)
-        self.metrics.queue_depth.labels(self.model).set(self.depth)
-        return futures
+    def submit(self, records: np.ndarray, top_k: int = 1) -> asyncio.Future:
+        """Queue the records; the future resolves once results are written into all of them."""
+        n = len(records)
+        if self.depth + n > self.queue_limit:
+            raise QueueFull(f"{self.name} has {self.depth} images queued; the limit is {self.queue_limit}")
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Request(records, top_k, future, time.perf_counter(), left=n))
+        self.depth += n
+        self.metrics.queue_depth.labels(self.name).set(self.depth)
+        self._arrived.set()
+        return future
 
-    async def _gather(self) -> list[_Item]:
+    async def _gather(self) -> list[tuple[_Request, Part]]:
         """Wait for a first image, then fill up until the batch is full, the first has waited long enough or no
-        more images are on their way."""
-        first = await self._queue.get()
-        batch, deadline = [first], first.enqueued + self.max_queue_delay_s
-        while len(batch) < self.max_batch_size:
-            if not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+        more images are on their way. Requests abandoned by their callers are dropped."""
+        taken, room, deadline = [], self.max_batch_size, None
+        while room:
+            if self._waiting:
+                request = self._waiting[0]
+                if request.future.done():
+                    self._waiting.popleft()
+                    self.depth -= len(request.records) - request.taken
+                    continue
+                deadline = deadline or request.enqueued + self.max_queue_delay_s
+                n = min(room, len(request.records) - request.taken)
+                taken.append((request, Part(request.records, request.taken, request.taken + n, request.top_k)))
+                request.taken += n
+                room -= n
+                self.depth -= n
+                if request.taken == len(request.records):
+                    self._waiting.popleft()
+                continue
+            self._arrived.clear()
+            if not taken:
+                await self._arrived.wait()
                 continue
             remaining = deadline - time.perf_counter()
-            if remaining <= 0 or not self._preparing:
+            if remaining <= 0 or (self.sees_preparing and not self._preparing):
                 break
             try:
-                batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+                await asyncio.wait_for(self._arrived.wait(), remaining)
             except TimeoutError:
                 break
-        return batch
+        return taken
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            batch = [item for item in await self._gather() if not item.future.done()]  # drop abandoned requests
-            self.metrics.queue_depth.labels(self.model).set(self.depth)
-            if not batch:
-                continue
-            start = time.perf_counter()
+            await self._slots.acquire()
             try:
-                outputs = await loop.run_in_executor(self.executor, self.run, np.stack([i.x for i in batch]))
-            except Exception as e:  # a failed batch fails its requests, not the batcher
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(e)
-                continue
-            elapsed = time.perf_counter() - start
-            self.metrics.observe_batch(self.model, len(batch), [start - i.enqueued for i in batch], elapsed)
-            for row, item in enumerate(batch):
-                if not item.future.done():
-                    item.future.set_result(Result({k: v[row] for k, v in outputs.items()},
-                                                  start - item.enqueued, elapsed, len(batch)))
+                taken = await self._gather()
+            except BaseException:
+                self._slots.release()
+                raise
+            self.metrics.queue_depth.labels(self.name).set(self.depth)
+            task = asyncio.get_running_loop().create_task(self._run(taken))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _run(self, taken: list[tuple[_Request, Part]]) -> None:
+        taken.sort(key=lambda t: t[1].kind != "image")  # the images first, as the graph returns their rows first
+        start = time.perf_counter()
+        waits = [start - request.enqueued for request, _ in taken]
+        parts = [part for _, part in taken]
+        try:
+            elapsed = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.run, parts, [w * 1e3 for w in waits])
+        except Exception as e:  # a failed batch fails its requests, not the batcher
+            for request, _ in taken:
+                if not request.future.done():
+                    request.future.set_exception(e)
+            return
+        finally:
+            self._slots.release()
+        # let the loop start the next batch before it answers this one's requests, so that the inference thread
+        # is not idle while they are encoded
+        await asyncio.sleep(0)
+        self.metrics.observe_batch(self.name, sum(p.size for p in parts), waits, elapsed)
+        for request, part in taken:
+            request.left -= part.size
+            if request.left == 0 and not request.future.done():
+                request.future.set_result(None)

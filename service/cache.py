@@ -10,14 +10,17 @@ import numpy as np
 
 @dataclass
 class AttentionRecord:
+    """What a map needs, kept from the one decode of the upload: nothing is decoded again."""
     model: str
-    attention: dict[str, np.ndarray]  # this image's attention outputs, by output name
-    image: bytes  # the upload, for overlays at its original size
+    attention: dict[str, np.ndarray]  # this image's rows of the attention outputs (copies, not batch views)
+    image: np.ndarray  # the model's input, uint8 [H, W, 3]: rollout runs the explain graph on it
+    photo: np.ndarray  # the decoded photo (or face region), uint8 [h, w, 3], to draw the map over
+    size: tuple[int, int]  # the upload's (width, height); the photo may be decoded reduced
     created: float = field(default_factory=time.monotonic)
 
     @property
     def nbytes(self) -> int:
-        return len(self.image) + sum(a.nbytes for a in self.attention.values())
+        return self.image.nbytes + self.photo.nbytes + sum(a.nbytes for a in self.attention.values())
 
 
 class AttentionCache:

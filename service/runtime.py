@@ -1,58 +1,103 @@
-"""ONNX Runtime sessions: which providers really work here, and running one batch.
+"""ONNX Runtime: which device serves (decided once), which graph serves each model, and running one batch.
 
 onnxruntime-gpu lists the CUDA provider even on hosts without CUDA 13 / cuDNN 9, and asking for it there
-logs a raw loader error. Sessions are therefore opened with ORT's logging muted, and the provider the
-session actually got decides; a host without a working CUDA gets one clear log line and the CPU.
+logs a raw loader error. So the device is chosen once at start-up, by opening one graph on CUDA with ORT's
+logging muted and looking at what the session got; every model then opens on that device.
+On CUDA, a model `NAME` with an fp16 sibling `NAME-fp16` runs the sibling's graph (one session for both names);
+fp16 graphs are not served on the CPU, and graphs made for the CPU alone (int8) stay on it.
 """
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
+from repository import ModelEntry
+
 log = logging.getLogger("vitserve")
 
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
-_cuda_warned = False
 
 
 def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: bool = False) -> ort.InferenceSession:
     """A session on the first of `providers` that starts here (the CPU as the last resort)."""
-    global _cuda_warned
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or os.cpu_count() or 1
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_wait else "0")
     wanted = [p for p in providers if p in ort.get_available_providers()]
-    wanted = list(dict.fromkeys(wanted + [CPU]))
     ort.set_default_logger_severity(4)  # a provider that cannot start is expected here, not an error
     try:
-        session = ort.InferenceSession(str(path), options, providers=wanted)
+        return ort.InferenceSession(str(path), options, providers=list(dict.fromkeys(wanted + [CPU])))
     finally:
         ort.set_default_logger_severity(2)
-    if CUDA in providers and session.get_providers()[0] != CUDA and not _cuda_warned:
-        _cuda_warned = True
-        log.info("CUDA is not usable on this host (onnxruntime-gpu needs CUDA 13 and cuDNN 9); serving on the CPU")
-    return session
+
+
+def choose_device(entries: list[ModelEntry], providers: list[str] | None) -> str:
+    """CUDA if it is wanted and a session really starts on it here (tried on the smallest graph), else the CPU."""
+    if CUDA not in (providers or [CUDA]) or CUDA not in ort.get_available_providers() or not entries:
+        return CPU
+    smallest = min(entries, key=lambda e: e.path().stat().st_size)
+    if open_session(smallest.path(), [CUDA], threads=1).get_providers()[0] == CUDA:
+        return CUDA
+    log.info("CUDA is not usable on this host (onnxruntime-gpu needs CUDA 13 and cuDNN 9); serving on the CPU")
+    return CPU
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one model name is served: the entry whose graph runs, its precision and provider, or why not."""
+    name: str
+    graph: str  # the name of the entry whose model.onnx runs (itself, or its fp16 sibling on CUDA)
+    precision: str
+    providers: tuple[str, ...]
+    error: str | None = None
+
+    @property
+    def provider(self) -> str:
+        return self.providers[0]
+
+
+def serving_plan(entries: list[ModelEntry], device: str, providers: list[str] | None = None) -> dict[str, Plan]:
+    """Which graph, precision and provider serve each model on `device` (pure: the decision is testable)."""
+    by_name = {e.name: e for e in entries}
+    plans = {}
+    for entry in entries:
+        meant = providers or entry.manifest.get("providers") or [CUDA, CPU]
+        on_device = tuple(p for p in meant if p in (device, CPU)) or (CPU,)
+        sibling = by_name.get(f"{entry.name}-fp16")
+        if entry.precision == "fp16" and device != CUDA:
+            plans[entry.name] = Plan(entry.name, entry.name, "fp16", on_device,
+                                     "fp16 graphs are served on CUDA only, and CUDA is not usable here")
+        elif sibling is not None and device == CUDA and entry.precision == "fp32":
+            plans[entry.name] = Plan(entry.name, sibling.name, "fp16", (CUDA, CPU))
+        else:
+            plans[entry.name] = Plan(entry.name, entry.name, entry.precision, on_device)
+    return plans
 
 
 class Runner:
-    """One model's session; `run` takes a float32 NCHW batch and returns every output by name."""
+    """One graph's session; `run` takes (uint8 images [B1, H, W, 3], float pixel_values [B2, 3, H, W]) and
+    returns every output by name, B1 + B2 rows, the images' first. `inputs`: the two inputs' names."""
 
-    def __init__(self, path: Path, providers: list[str], threads: int = 0, spin_wait: bool = False):
+    def __init__(self, path: Path, inputs: tuple[str, str], providers: list[str], threads: int = 0,
+                 spin_wait: bool = False):
         self.session = open_session(path, providers, threads, spin_wait)
         self.provider = self.session.get_providers()[0]
-        self.input_name = self.session.get_inputs()[0].name
+        self.input_names = inputs
         self.output_names = [o.name for o in self.session.get_outputs()]
 
-    def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+    def run(self, images: np.ndarray, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
+        feeds = dict(zip(self.input_names, (images, pixel_values)))
         if self.provider == CUDA:
             # IOBinding: outputs stay on the device until one copy back, no per-run host allocations for them.
             binding = self.session.io_binding()
-            binding.bind_cpu_input(self.input_name, batch)
+            for name, value in feeds.items():
+                binding.bind_cpu_input(name, value)
             for name in self.output_names:
                 binding.bind_output(name, "cuda")
             self.session.run_with_iobinding(binding)
             return dict(zip(self.output_names, binding.copy_outputs_to_cpu()))
-        return dict(zip(self.output_names, self.session.run(self.output_names, {self.input_name: batch})))
+        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))

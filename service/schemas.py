@@ -36,8 +36,10 @@ class ModelInfo(BaseModel):
     task: str
     labels: list[str]
     input_size: list[int]
-    precision: str
+    precision: str = Field(description="the precision that runs: an fp32 model with an fp16 sibling runs the "
+                                       "sibling's graph on CUDA")
     provider: str | None = Field(description="the ONNX Runtime provider it runs on, once loaded")
+    graph: str | None = Field(None, description="the model whose graph runs for this name")
     ready: bool
     error: str | None = None
     attention: dict = Field(description="how attention maps are computed for this model")

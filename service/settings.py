@@ -1,5 +1,6 @@
 """Service settings, read from the environment (prefix VITSERVE_, e.g. VITSERVE_MAX_BATCH_SIZE=32)."""
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -11,6 +12,12 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VITSERVE_", env_file=".env", extra="ignore",
                                       protected_namespaces=())
 
+    backend: Literal["auto", "thread", "process"] = Field(
+        "auto", description="thread: sessions and batching in the one server process; process: HTTP worker "
+                            "processes hand shared-memory records to one inference process; auto: process where "
+                            "CUDA serves, thread on a CPU")
+    workers: int = Field(0, ge=0, description="HTTP worker processes of the process backend (0: one per core, less "
+                                              "one for the inference process, at least 2)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     model_repository: Path = EMBEDDED_REPOSITORY

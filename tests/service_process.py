@@ -18,7 +18,8 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from skimage import data as photos
 
-from service.preprocess import InputPolicy, prepare
+from repository import InputPolicy, graph_inputs
+from service.decode import decode, model_input
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,12 +108,20 @@ def photo_bytes(name: str, fmt: str, **options) -> bytes:
     return buf.getvalue()
 
 
+def model_pixels(model_dir: Path, image: bytes) -> np.ndarray:
+    """The model's uint8 [H, W, 3] input for an image, through the service's decoding and preprocessing."""
+    policy = InputPolicy.from_manifest(json.loads((model_dir / "manifest.json").read_text())["input"])
+    return model_input(decode(image, policy.resize_short_side, 10**8).image, policy)
+
+
+def run_graph(path: Path, x: np.ndarray) -> list[np.ndarray]:
+    """A plain ORT session on uint8 [N, H, W, 3] images or float [N, 3, H, W] normalised pixels."""
+    return ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, graph_inputs(x))
+
+
 def direct_probabilities(model_dir: Path, image: bytes) -> np.ndarray:
     """What the exported model says of an image, through the service's preprocessing and a plain ORT session."""
-    manifest = json.loads((model_dir / "manifest.json").read_text())
-    x, _ = prepare(image, InputPolicy.from_manifest(manifest["input"]), 10**8)
-    session = ort.InferenceSession(model_dir / "model.onnx", providers=["CPUExecutionProvider"])
-    logits = session.run(["logits"], {"pixel_values": x[None]})[0][0].astype(np.float64)
+    logits = run_graph(model_dir / "model.onnx", model_pixels(model_dir, image)[None])[0][0].astype(np.float64)
     return np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
 
 
@@ -126,7 +135,7 @@ def metric(text: str, name: str, **labels) -> float:
     """One sample's value from Prometheus text (0 when absent)."""
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in text.splitlines():
-        match = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
-        if match and ",".join(sorted(match.group(1).split(","))) == want:
+        match = re.match(rf"{name}(?:\{{(.*)\}})? (\S+)$", line)
+        if match and ",".join(sorted(match.group(1).split(",")) if match.group(1) else []) == want:
             return float(match.group(2))
     return 0.0

@@ -15,6 +15,7 @@ import models
 from models.data import normalise as torch_normalise
 from models.synthetic import sample_rng
 from models.synthetic.shapes import render_shape
+from repository import graph_inputs
 from service.attention import colormap, last_layer_grid, normalise, rollout_grid
 
 REPO, DEMO = ROOT / "model_repository", ROOT / "models" / "demo"
@@ -62,7 +63,7 @@ def test_vit_maps_equal_pytorch_explicit_attention(name, token):
         pytest.skip("no distillation token")
     model = torch_model(name)
     x = batch_of(off_centre_shapes(4), model.spec)
-    main, explain = session(name).run(None, {"pixel_values": x}), session(name, "explain.onnx").run(None, {"pixel_values": x})
+    main, explain = session(name).run(None, graph_inputs(x)), session(name, "explain.onnx").run(None, graph_inputs(x))
     with torch.no_grad():
         probs = [p.numpy() for p in model.attention_probabilities(torch.from_numpy(x))]  # explicit softmax(QK^T)
     prefix = model.num_prefix_tokens
@@ -97,7 +98,7 @@ def test_swin_map_equals_pytorch_explicit_attention():
         qkv = block.attn.qkv(t.reshape(B, H * W, C)).reshape(B, H * W, 3, heads, C // heads).permute(2, 0, 3, 1, 4)
         scores = qkv[0] @ qkv[1].transpose(-2, -1) / (C // heads) ** 0.5 + block.attn.relative_position_bias()
         received = scores.softmax(-1).mean(dim=2)  # [B, heads, 36]: what each token receives, mean over queries
-    main = session("shapes-swin").run(None, {"pixel_values": x})
+    main = session("shapes-swin").run(None, graph_inputs(x))
     for i in range(B):
         got = last_layer_grid({"attention": main[1][i]}, m["attention"], "cls", "mean")
         np.testing.assert_allclose(got, normalise(received[i].mean(0).numpy().reshape(6, 6)), atol=1e-4)
@@ -122,11 +123,9 @@ def peak_and_mass(grid: np.ndarray, box: tuple[int, int, int, int], patch: float
 def test_maps_find_the_object_and_follow_a_flip(name):
     m = manifest(name)
     samples = off_centre_shapes(120)
-    x = np.stack([np.asarray(s.image) for s in samples])
-    policy = m["input"]
-    norm = lambda imgs: ((imgs.astype(np.float32) / 255 - policy["mean"]) / policy["std"]).transpose(0, 3, 1, 2)  # noqa: E731
-    outputs = session(name).run(None, {"pixel_values": norm(x).astype(np.float32)})
-    flipped = session(name).run(None, {"pixel_values": norm(x[:, :, ::-1]).astype(np.float32)})
+    x = np.stack([np.asarray(s.image) for s in samples])  # uint8 pixels, as the service sends them
+    outputs = session(name).run(None, graph_inputs(x))
+    flipped = session(name).run(None, graph_inputs(np.ascontiguousarray(x[:, :, ::-1])))
     names = [o["name"] for o in m["outputs"]]
     patch = 96 / m["attention"]["grid"][1]
     hits, ratios, flip_hits = [], [], []
@@ -161,16 +160,19 @@ def classify_with_attention(url: str, data: bytes, model: str = "shapes-deit") -
     return result["id"]
 
 
-def test_map_png_covers_the_original_photo_and_json_has_the_grid(url):
+def test_map_png_covers_the_photo_as_decoded_and_json_has_the_grid(url):
     jpeg = photo_bytes("chelsea", "JPEG")
     key = classify_with_attention(url, jpeg)
     png = httpx.get(f"{url}/attention-map", params={"id": key})
     assert png.status_code == 200 and png.headers["content-type"] == "image/png"
-    assert Image.open(io.BytesIO(png.content)).size == (451, 300)
+    # the photo as the JPEG decoder reduced it for the model (draft mode: half size), never below its resize side
+    width, height = Image.open(io.BytesIO(png.content)).size
+    assert (width, height) == (226, 150) and min(width, height) >= 96
     body = httpx.get(f"{url}/attention-map", params={"id": key, "format": "json", "token": "both"}).json()
     assert body["grid_size"] == [12, 12] and len(body["grid"]) == 12 and body["image_size"] == [451, 300]
-    # the centred square the model saw: the photo resized to 144 x 96, columns 24..120
-    assert body["crop_box"] == [round(24 * 451 / 144, 2), 0.0, round(120 * 451 / 144, 2), 300.0]
+    # the centred square the model saw, in the upload's pixels: columns 24..120 of the photo at 144 x 96, give or
+    # take the rounding of the reduced decode (226 x 150 resized to 145 x 96)
+    np.testing.assert_allclose(body["crop_box"], [24 * 451 / 144, 0.0, 120 * 451 / 144, 300.0], atol=3)
     assert max(max(row) for row in body["grid"]) == 1.0
     rollout = httpx.get(f"{url}/attention-map", params={"id": key, "method": "rollout", "format": "json"}).json()
     assert rollout["method"] == "rollout" and rollout["grid"] != body["grid"]

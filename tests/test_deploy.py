@@ -21,6 +21,6 @@ def test_compose_file_follows_the_compose_specification():
 def test_the_image_serves_without_torch_and_checks_readiness():
     dockerfile = (ROOT / "Dockerfile").read_text()
     copied = re.findall(r"^COPY (\S+)", dockerfile, flags=re.M)
-    assert "models" not in copied and "export" not in copied
+    assert "models" not in copied and "export" not in copied and {"service", "repository"} <= set(copied)
     assert "pip install --no-cache-dir --editable ." in dockerfile  # serving dependencies only, no extras
     assert "/health/ready" in dockerfile and 'CMD ["python", "-m", "service"]' in dockerfile

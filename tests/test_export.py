@@ -16,6 +16,7 @@ from export.graph import MainGraph, unfused_attention
 from export.manifest import sha256, validate
 from export.parity import ParityError, check_fp32, check_reduced, gate_inputs
 from models.synthetic import __main__ as synthetic
+from repository import graph_inputs
 
 MICRO = {"vit": "vit_micro_patch8_96", "deit": "deit_micro_distilled_patch8_96", "swin": "swin_micro_patch4_window6_96"}
 BLOCKS = {"vit": 4, "deit": 4, "swin": 6}
@@ -49,10 +50,10 @@ def test_attention_is_fused_in_every_block(repo, arch):
 def test_dynamic_batch_gives_the_same_per_item_outputs(repo, arch):
     session = ort.InferenceSession(repo / arch / "model.onnx", providers=["CPUExecutionProvider"])
     x = np.random.default_rng(0).standard_normal((8, 3, 96, 96)).astype(np.float32)
-    full = session.run(None, {"pixel_values": x})
+    full = session.run(None, graph_inputs(x))
     for batch in (1, 3):
         for start in range(0, 8 - batch + 1, batch):
-            part = session.run(None, {"pixel_values": x[start:start + batch]})
+            part = session.run(None, graph_inputs(x[start:start + batch]))
             for a, b in zip(part, full):
                 np.testing.assert_allclose(a, b[start:start + batch], atol=1e-5)
 
@@ -79,7 +80,7 @@ def test_manifest_validates_and_describes_the_graph(repo):
 
 def test_explain_graph_gives_every_blocks_attention(repo):
     session = ort.InferenceSession(repo / "vit" / "explain.onnx", providers=["CPUExecutionProvider"])
-    outputs = session.run(None, {"pixel_values": np.zeros((2, 3, 96, 96), np.float32)})
+    outputs = session.run(None, graph_inputs(np.zeros((2, 96, 96, 3), np.uint8)))
     assert len(outputs) == 4 and all(o.shape == (2, 4, 145, 145) for o in outputs)
     np.testing.assert_allclose(outputs[-1].sum(-1), 1.0, atol=1e-5)
 

@@ -12,6 +12,7 @@ from skimage import data as photos
 
 from models.synthetic import sample_rng
 from models.synthetic.faces import render_face
+from repository import graph_inputs
 
 # Eileen Collins's face in skimage's astronaut (512 x 512), checked by eye once: brow to chin, ear to ear.
 ASTRONAUT_FACE = (182, 70, 90, 92)
@@ -96,8 +97,7 @@ def test_synthetic_held_out_faces_through_http_match_the_exported_model(url):
     faces = [render_face(sample_rng(1, i), 112, label=i % 7) for i in range(140)]  # the demo's held-out seed
     session = ort.InferenceSession(ROOT / "model_repository" / "expression-vit" / "model.onnx",
                                    providers=["CPUExecutionProvider"])
-    x = np.stack([np.asarray(f.image, np.float32) / 255 for f in faces])
-    direct = session.run(["logits"], {"pixel_values": ((x - 0.5) / 0.5).transpose(0, 3, 1, 2)})[0].argmax(1)
+    direct = session.run(["logits"], graph_inputs(np.stack([np.asarray(f.image) for f in faces])))[0].argmax(1)
     labels = json.loads((ROOT / "model_repository" / "expression-vit" / "manifest.json").read_text())["labels"]
     via_http = []
     for f in faces:

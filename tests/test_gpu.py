@@ -26,10 +26,13 @@ pytestmark = pytest.mark.skipif(not cuda_works(), reason="the CUDA provider does
 def test_cuda_runner_with_iobinding_matches_the_cpu():
     for name in ("shapes-vit", "shapes-deit", "shapes-swin", "expression-vit"):
         manifest = json.loads((REPO / name / "manifest.json").read_text())
-        x = np.random.default_rng(0).standard_normal((5, 3, *manifest["input"]["size"])).astype(np.float32)
-        gpu, cpu = Runner(REPO / name / "model.onnx", [CUDA]), Runner(REPO / name / "model.onnx", [CPU])
+        h, w = manifest["input"]["size"]
+        rng = np.random.default_rng(0)
+        images, x = rng.integers(0, 256, (3, h, w, 3), np.uint8), rng.standard_normal((2, 3, h, w), np.float32)
+        inputs = (manifest["input"]["name"], manifest["tensor_input"]["name"])
+        gpu, cpu = Runner(REPO / name / "model.onnx", inputs, [CUDA]), Runner(REPO / name / "model.onnx", inputs, [CPU])
         assert gpu.provider == CUDA
-        got, want = gpu.run(x), cpu.run(x)
+        got, want = gpu.run(images, x), cpu.run(images, x)
         for key in want:  # the opset-23 Attention CUDA kernel against the CPU one
             np.testing.assert_allclose(got[key], want[key], atol=1e-3, err_msg=f"{name} {key}")
 
@@ -45,5 +48,7 @@ def test_fp16_export_passes_its_gate_on_cuda_and_is_served_for_its_base_name(tmp
     with running_service(model_repository=repo) as url:
         models = {m["name"]: m for m in httpx.get(f"{url}/models").json()["models"]}
         assert models["shapes-deit"]["provider"] == CUDA and models["shapes-deit-fp16"]["ready"]
+        # decided once at start-up, and reported as what runs: the fp16 sibling's graph
+        assert (models["shapes-deit"]["precision"], models["shapes-deit"]["graph"]) == ("fp16", "shapes-deit-fp16")
         r = httpx.post(f"{url}/classify", files={"file": ("a.jpg", photo_bytes("chelsea", "JPEG"))})
         assert r.status_code == 200

@@ -10,6 +10,7 @@ from service_process import ROOT
 
 import models
 from export.manifest import sha256, validate
+from repository import graph_inputs
 
 REPO = ROOT / "model_repository"
 ENTRIES = sorted(p.parent.name for p in REPO.glob("*/manifest.json"))
@@ -31,7 +32,7 @@ def test_committed_graphs_agree_with_the_committed_weights(name):
     model = models.load_weights(models.create_model(manifest["architecture"]), weights).eval()
     x = np.random.default_rng(0).standard_normal((4, 3, *manifest["input"]["size"])).astype(np.float32)
     session = ort.InferenceSession(REPO / name / "model.onnx", providers=["CPUExecutionProvider"])
-    logits = session.run(["logits"], {"pixel_values": x})[0]
+    logits = session.run(["logits"], graph_inputs(x))[0]
     with torch.no_grad():
         expected = model(torch.from_numpy(x)).numpy()
     if manifest["precision"] == "fp32":

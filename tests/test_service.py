@@ -11,10 +11,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.http as triton
-from service_process import ROOT, direct_probabilities, metric, photo_bytes, process_metrics, running_service
+from service_process import (ROOT, direct_probabilities, metric, model_pixels, photo_bytes, process_metrics,
+                             running_service)
 
-from service.loadtest import classify_requests, run_level
-from service.loadtest import main as loadtest_main
+from repository import graph_inputs
 
 REPO = ROOT / "model_repository"
 JPEG, PNG = photo_bytes("chelsea", "JPEG"), photo_bytes("astronaut", "PNG")
@@ -130,7 +130,8 @@ def test_tritonclient_round_trip_on_v2(url, binary):
     client = triton.InferenceServerClient(url=url.removeprefix("http://"))
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("shapes-deit")
     meta = client.get_model_metadata("shapes-deit")
-    assert meta["inputs"][0] == {"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, 96, 96]}
+    assert meta["inputs"] == [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, 96, 96]},
+                              {"name": "images", "datatype": "UINT8", "shape": [-1, 96, 96, 3]}]
     x = np.random.default_rng(0).standard_normal((3, 3, 96, 96)).astype(np.float32)
     inp = triton.InferInput("pixel_values", list(x.shape), "FP32")
     inp.set_data_from_numpy(x, binary_data=binary)
@@ -138,7 +139,7 @@ def test_tritonclient_round_trip_on_v2(url, binary):
                triton.InferRequestedOutput("dist_attention", binary_data=not binary)]
     result = client.infer("shapes-deit", [inp], outputs=outputs)
     session = ort.InferenceSession(REPO / "shapes-deit" / "model.onnx", providers=["CPUExecutionProvider"])
-    logits, _, dist = session.run(None, {"pixel_values": x})
+    logits, _, dist = session.run(None, graph_inputs(x))
     np.testing.assert_allclose(result.as_numpy("logits"), logits, atol=1e-5)
     np.testing.assert_allclose(result.as_numpy("dist_attention"), dist, atol=1e-6)
     assert client.infer("shapes-deit", [inp]).as_numpy("cls_attention").shape == (3, 4, 144)  # all outputs
@@ -146,10 +147,27 @@ def test_tritonclient_round_trip_on_v2(url, binary):
         client.get_model_metadata("nope")
 
 
+def test_v2_takes_uint8_images_too_and_answers_as_for_the_same_pixels_normalised(url):
+    client = triton.InferenceServerClient(url=url.removeprefix("http://"))
+    pixels = np.stack([model_pixels(REPO / "shapes-vit", photo_bytes(p, "JPEG")) for p in ("chelsea", "coffee")])
+    images = triton.InferInput("images", list(pixels.shape), "UINT8")
+    images.set_data_from_numpy(pixels)
+    normalised = json.loads((REPO / "shapes-vit" / "manifest.json").read_text())["input"]
+    x = ((pixels / 255 - normalised["mean"]) / normalised["std"]).transpose(0, 3, 1, 2).astype(np.float32)
+    tensor = triton.InferInput("pixel_values", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    got = client.infer("shapes-vit", [images]).as_numpy("logits")
+    np.testing.assert_allclose(got, client.infer("shapes-vit", [tensor]).as_numpy("logits"), atol=1e-5)
+    assert got.shape == (2, 6)
+
+
 def test_v2_rejects_malformed_tensors(url):
     bad = {"inputs": [{"name": "pixel_values", "shape": [1, 3, 32, 32], "datatype": "FP32", "data": [0.0] * 3072}]}
     r = httpx.post(f"{url}/v2/models/shapes-vit/infer", json=bad)
     assert r.status_code == 400 and "takes [-1, 3, 96, 96]" in r.json()["error"]  # the protocol's error shape
+    bad["inputs"][0]["datatype"] = "INT64"
+    r = httpx.post(f"{url}/v2/models/shapes-vit/infer", json=bad)
+    assert r.status_code == 400 and "FP32 [-1, 3, 96, 96] or UINT8 [-1, 96, 96, 3]" in r.json()["error"]
 
 
 def test_openapi_docs_describe_the_routes(url):
@@ -180,29 +198,3 @@ def test_a_missing_repository_stops_start_up_with_a_clear_message(tmp_path):
     done = subprocess.run([sys.executable, "-m", "service", "--port", "0"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and f"error: no model repository at {tmp_path / 'nowhere'}" in done.stderr
-
-
-def test_load_tester_counts_the_requests_that_complete_in_its_window(url):
-    def images() -> float:
-        return metric(httpx.get(f"{url}/metrics").text, "vitserve_images_total", model="shapes-deit")
-
-    before = images()
-    send = classify_requests([("chelsea.jpg", photo_bytes("chelsea", "JPEG"))], {"model": "shapes-deit"})
-    result = asyncio.run(run_level(url, send, concurrency=4, duration=1.5, warmup=0.5))
-    served = images() - before
-    assert result.failures == {} and result.seconds == 1.5
-    assert 0 < result.images < served  # the warm-up's and the tail's requests are served but not counted
-    assert result.images_per_s == result.images / 1.5 and result.latency_ms["p50"] > 0
-
-
-def test_load_tester_command_line_reports_every_level_as_a_table_json_and_a_plot(url, tmp_path, capsys):
-    photo = tmp_path / "coffee.jpg"
-    photo.write_bytes(photo_bytes("coffee", "JPEG"))
-    loadtest_main(["--url", url, "--model", "shapes-vit", "--image", str(photo), "--concurrency", "1,3",
-                   "--duration", "1", "--json", str(tmp_path / "load.json"), "--plot", str(tmp_path / "load.png")])
-    rows = capsys.readouterr().out.splitlines()
-    assert rows[0].split()[:2] == ["concurrency", "images/s"] and [r.split()[0] for r in rows[1:]] == ["1", "3"]
-    levels = json.loads((tmp_path / "load.json").read_text())
-    assert [lv["concurrency"] for lv in levels] == [1, 3]
-    assert all(lv["images"] > 0 and lv["failures"] == {} and lv["latency_ms"]["p99"] > 0 for lv in levels)
-    assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

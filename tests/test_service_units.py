@@ -1,7 +1,9 @@
-"""Service parts on their own: decoding, preprocessing, the batcher, the attention cache, the import rule."""
+"""Service parts on their own: decoding, preprocessing (in the graph), records, the batcher, the serving plan,
+errors, the attention cache, and the import rules."""
 import ast
 import asyncio
 import io
+import json
 import subprocess
 import sys
 import time
@@ -10,18 +12,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
+from service_process import run_graph
 from skimage import data as photos
 
 from models.data import preprocess as training_preprocess
+from repository import InputPolicy, ModelEntry, read_entry
 from service.batching import Batcher, QueueFull
 from service.cache import AttentionCache, AttentionRecord
-from service.errors import APIError
+from service.decode import decode, model_input
+from service.errors import BadInput, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
 from service.metrics import Metrics
-from service.preprocess import InputPolicy, decode, normalise, prepare, resize_and_crop
+from service.records import Part, record_dtype, top_k, write_results
+from service.runtime import CPU, CUDA, serving_plan
 
 ROOT = Path(__file__).resolve().parents[1]
+REPO = ROOT / "model_repository"
 POLICY = InputPolicy((96, 96), 110, "bicubic", (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
 
 
@@ -31,24 +37,39 @@ def encode(image: Image.Image, fmt: str, **kw) -> bytes:
     return buf.getvalue()
 
 
-def test_service_preprocessing_equals_the_training_side():
+# -- decoding and preprocessing --------------------------------------------------------------------------------
+
+def test_service_pixels_equal_the_training_side():
     image = Image.fromarray(photos.chelsea())  # 451 x 300, not square: exercises resize and crop
-    spec = type("Spec", (), {"mean": POLICY.mean, "std": POLICY.std})
-    want = training_preprocess(image, 96, 96 / 110, "bicubic").float() / 255
-    want = ((want - torch.tensor(spec.mean).view(3, 1, 1)) / torch.tensor(spec.std).view(3, 1, 1)).numpy()
-    got = normalise(resize_and_crop(image, POLICY), POLICY)
-    assert got.shape == (3, 96, 96) and got.dtype == np.float32
-    np.testing.assert_allclose(got, want, atol=1e-6)
+    want = training_preprocess(image, 96, 96 / 110, "bicubic").permute(1, 2, 0).numpy()
+    got = model_input(image, POLICY)
+    assert got.shape == (96, 96, 3) and got.dtype == np.uint8
+    np.testing.assert_array_equal(got, want)
 
 
-def test_exif_orientation_is_applied():
+@pytest.mark.parametrize("name", ["shapes-vit", "shapes-deit", "shapes-swin", "expression-vit"])
+def test_normalising_in_the_graph_gives_the_answers_of_normalising_on_the_cpu(name):
+    """The service sends uint8 pixels; before, it sent (x / 255 - mean) / std computed on the CPU. Same answers."""
+    policy = read_entry(REPO / name).policy
+    pixels = np.stack([model_input(Image.fromarray(getattr(photos, p)()).convert("RGB"), policy)
+                       for p in ("chelsea", "astronaut", "coffee", "rocket")])
+    mean, std = np.asarray(policy.mean, np.float32), np.asarray(policy.std, np.float32)
+    cpu = ((pixels.astype(np.float32) / 255.0 - mean) / std).transpose(0, 3, 1, 2).copy()  # the old service code
+    np.testing.assert_allclose(policy.normalise(pixels), cpu, atol=1e-6)
+    in_graph, on_cpu = run_graph(REPO / name / "model.onnx", pixels), run_graph(REPO / name / "model.onnx", cpu)
+    for got, want in zip(in_graph, on_cpu):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert (in_graph[0].argmax(1) == on_cpu[0].argmax(1)).all()
+
+
+def test_exif_orientation_is_applied_and_the_upright_size_reported():
     pixels = np.zeros((40, 80, 3), np.uint8)
     pixels[:, :40] = (255, 0, 0)
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90 degrees clockwise on display
-    image = decode(encode(Image.fromarray(pixels), "JPEG", exif=exif, quality=95), 40, 10**8)
-    assert image.size == (40, 80)  # portrait now
-    top, bottom = np.asarray(image)[:20].mean((0, 1)), np.asarray(image)[-20:].mean((0, 1))
+    photo = decode(encode(Image.fromarray(pixels), "JPEG", exif=exif, quality=95), 40, 10**8)
+    assert photo.image.size == (40, 80) and photo.size == (40, 80)  # portrait now
+    top, bottom = np.asarray(photo.image)[:20].mean((0, 1)), np.asarray(photo.image)[-20:].mean((0, 1))
     assert top[0] > 200 and bottom[2] < 60 and bottom[0] < 60  # the red half turned to the top
 
 
@@ -60,44 +81,87 @@ def test_image_modes_decode_to_rgb(mode, fmt):
         source = Image.fromarray((np.asarray(rgb.convert("L"), np.uint16) * 257).astype("<u2"))
     else:
         source = rgb.convert(mode)
-    image = decode(encode(source, fmt), 64, 10**8)
+    image = decode(encode(source, fmt), 64, 10**8).image
     assert image.mode == "RGB" and image.size == (64, 64)
     grey = np.asarray(image, np.float32).mean()
     assert 40 < grey < 220, f"{mode}: mean {grey}"  # not blown out or black: 16-bit scaled, alpha on white
 
 
 def test_transparent_pixels_composite_on_white():
-    image = decode(encode(Image.new("RGBA", (8, 8), (0, 0, 0, 0)), "PNG"), 4, 10**8)
+    image = decode(encode(Image.new("RGBA", (8, 8), (0, 0, 0, 0)), "PNG"), 4, 10**8).image
     assert np.asarray(image).min() == 255
 
 
 def test_large_jpeg_decodes_in_draft_mode_but_still_covers_the_input():
     big = Image.fromarray(photos.astronaut()).resize((2048, 1536))
-    image = decode(encode(big, "JPEG", quality=90), 110, 10**8)
-    assert min(image.size) >= 110 and image.size[0] <= 512  # reduced by the JPEG decoder, not after
+    photo = decode(encode(big, "JPEG", quality=90), 110, 10**8)
+    assert min(photo.image.size) >= 110 and photo.image.size[0] <= 512  # reduced by the JPEG decoder, not after
+    assert photo.size == (2048, 1536)  # what was uploaded
 
 
-def test_bad_inputs_are_4xx():
-    with pytest.raises(APIError) as e:
+def test_bad_inputs_are_domain_errors():
+    with pytest.raises(UnsupportedMedia):
         decode(b"this is not an image", 10, 10**8)
-    assert e.value.status == 415
-    truncated = encode(Image.fromarray(photos.chelsea()), "JPEG")[:2000]
-    with pytest.raises(APIError) as e:
-        prepare(truncated, POLICY, 10**8)
-    assert e.value.status == 400 and "could not be decoded" in e.value.message
-    with pytest.raises(APIError) as e:
+    with pytest.raises(BadInput, match="could not be decoded"):
+        truncated = encode(Image.fromarray(photos.chelsea()), "JPEG")[:2000]
+        model_input(decode(truncated, 96, 10**8).image, POLICY)
+    with pytest.raises(TooLarge, match="90000 pixels") as e:
         decode(encode(Image.new("RGB", (300, 300)), "PNG"), 10, max_pixels=300 * 299)
-    assert e.value.status == 413 and "90000 pixels" in e.value.message
+    assert e.value.code == "image_too_large"
+
+
+def test_errors_cross_processes_by_kind():
+    error = from_wire(json.loads(json.dumps(to_wire(overloaded("queue full", 2)))))
+    assert isinstance(error, Unavailable) and (error.code, error.message, error.retry_after_s) == (
+        "overloaded", "queue full", 2)
+
+
+# -- records and batches ---------------------------------------------------------------------------------------
+
+def entry() -> ModelEntry:
+    return read_entry(REPO / "shapes-deit")
+
+
+def test_top_k_is_the_sorted_best_with_ties_by_index():
+    probs = np.array([[0.1, 0.4, 0.1, 0.4], [0.7, 0.1, 0.1, 0.1]], np.float32)
+    index, score = top_k(probs, 3)
+    assert index.tolist() == [[1, 3, 0], [0, 1, 2]] and score[0].tolist() == pytest.approx([0.4, 0.4, 0.1])
+    rng = np.random.default_rng(0).random((64, 1000)).astype(np.float32)
+    index, _ = top_k(rng, 5)
+    np.testing.assert_array_equal(index, np.argsort(-rng, axis=1, kind="stable")[:, :5])
+
+
+def test_a_batch_writes_each_request_its_own_rows_images_first():
+    """Two requests of images and one of tensors, run as one batch: each record gets its own rows."""
+    images = [np.zeros(2, record_dtype(entry(), "image")), np.zeros(1, record_dtype(entry(), "image"))]
+    tensors = np.zeros(3, record_dtype(entry(), "tensor"))
+    parts = [Part(images[0], 0, 2, 2), Part(images[1], 0, 1, 1), Part(tensors, 1, 3, 6)]
+    logits = np.arange(5 * 6, dtype=np.float32).reshape(5, 6) % 7
+    outputs = {"logits": logits, "cls_attention": np.random.default_rng(0).random((5, 4, 144), np.float32),
+               "dist_attention": np.zeros((5, 4, 144), np.float32)}
+    write_results(parts, outputs, [1.0, 2.0, 3.0], 9.0)
+    np.testing.assert_array_equal(images[0]["logits"], logits[0:2])
+    np.testing.assert_array_equal(images[1]["cls_attention"][0], outputs["cls_attention"][2])
+    np.testing.assert_array_equal(tensors["logits"][1:], logits[3:5])
+    assert tensors["logits"][0].sum() == 0  # not in the batch
+    assert images[1]["queue_ms"][0] == 2.0 and tensors["batch_size"][2] == 5 and tensors["inference_ms"][1] == 9
+    probs = tensors["probs"][2]
+    assert probs.sum() == pytest.approx(1) and tensors["top_index"][2, 0] == logits[4].argmax()
 
 
 def _run_batcher(coro_fn, **kw):
     async def main():
         calls = []
 
-        def run(x: np.ndarray) -> dict[str, np.ndarray]:
-            calls.append(len(x))
+        def run(parts: list[Part], queue_ms: list[float]) -> float:
+            calls.append(sum(p.size for p in parts))
             time.sleep(0.02)
-            return {"logits": x.reshape(len(x), -1)[:, :2] * 2}
+            for p, waited in zip(parts, queue_ms):
+                records = p.records[p.start:p.stop]
+                records["logits"][:, 0] = records["image"][:, 0, 0, 0] * 2.0
+                records["batch_size"] = calls[-1]
+                records["queue_ms"] = waited
+            return 0.02
 
         with ThreadPoolExecutor(1) as pool:
             batcher = Batcher("m", run, pool, Metrics(), **{"max_batch_size": 4, "max_queue_delay_s": 0.05,
@@ -111,60 +175,127 @@ def _run_batcher(coro_fn, **kw):
     return asyncio.run(main())
 
 
-def test_batcher_fills_batches_and_returns_each_row_to_its_request():
-    async def go(batcher):
-        xs = [np.full((1, 1, 2), i, np.float32) for i in range(10)]
-        return await asyncio.gather(*batcher.submit(xs))
+def images(*values: int) -> np.ndarray:
+    records = np.zeros(len(values), record_dtype(entry(), "image"))
+    records["image"] = np.asarray(values, np.uint8)[:, None, None, None]
+    return records
 
-    results, calls = _run_batcher(go)
-    assert calls == [4, 4, 2]  # full batches, then the rest at once: no other request is on its way
-    assert [r.outputs["logits"][0] for r in results] == [2.0 * i for i in range(10)]
-    assert [r.batch_size for r in results] == [4] * 8 + [2] * 2
+
+def test_batcher_fills_batches_splits_a_large_request_and_writes_each_row_back():
+    async def go(batcher):
+        big, small = images(*range(6)), images(10, 11, 12, 13)
+        await asyncio.gather(batcher.submit(big), batcher.submit(small))
+        return big, small
+
+    (big, small), calls = _run_batcher(go)
+    assert calls == [4, 4, 2]  # the 6 split over two batches, then the rest at once: nothing else is coming
+    assert big["logits"][:, 0].tolist() == [0, 2, 4, 6, 8, 10] and small["logits"][:, 0].tolist() == [20, 22, 24, 26]
+    assert big["batch_size"].tolist() == [4] * 4 + [4] * 2 and small["batch_size"].tolist() == [4, 4, 2, 2]
 
 
 def test_a_partial_batch_waits_only_while_another_request_is_preparing_and_at_most_the_delay():
-    image = np.ones((1, 1, 2), np.float32)
-
     async def alone(batcher):
-        return await batcher.submit([image])[0]
+        one = images(1)
+        await batcher.submit(one)
+        return one
 
     async def joined(batcher):
         async def slow_decode():
             with batcher.preparing():
                 await asyncio.sleep(0.02)
-            return await batcher.submit([image])[0]
+            late = images(2)
+            await batcher.submit(late)
+            return late
 
         late = asyncio.create_task(slow_decode())
         await asyncio.sleep(0)  # it is decoding now
-        return await asyncio.gather(batcher.submit([image])[0], late)
+        early = images(1)
+        await asyncio.gather(batcher.submit(early), late)
+        return early
 
     async def abandoned(batcher):
         with batcher.preparing():  # a decode that never delivers (e.g. a broken image)
-            return await batcher.submit([image])[0]
+            one = images(1)
+            await batcher.submit(one)
+            return one
 
     result, calls = _run_batcher(alone, max_queue_delay_s=0.1)
-    assert calls == [1] and result.queue_s < 0.05  # nothing else coming: no wait
-    results, calls = _run_batcher(joined, max_queue_delay_s=0.1)
-    assert calls == [2] and all(r.batch_size == 2 for r in results)
+    assert calls == [1] and result["queue_ms"][0] < 50  # nothing else coming: no wait
+    result, calls = _run_batcher(joined, max_queue_delay_s=0.1)
+    assert calls == [2]
     result, calls = _run_batcher(abandoned, max_queue_delay_s=0.1)
-    assert calls == [1] and 0.09 <= result.queue_s < 1.0  # waited for it, but no longer than the delay
+    assert calls == [1] and 90 <= result["queue_ms"][0] < 1000  # waited for it, but no longer than the delay
+    result, calls = _run_batcher(alone, max_queue_delay_s=0.1, sees_preparing=False)
+    assert calls == [1] and 90 <= result["queue_ms"][0] < 1000  # decoding elsewhere: Triton's rule, the delay
 
 
 def test_batcher_refuses_beyond_its_queue_limit_and_skips_abandoned_requests():
     async def go(batcher):
         with pytest.raises(QueueFull, match="limit is 3"):
-            batcher.submit([np.zeros((1, 1, 2), np.float32)] * 4)
-        abandoned, kept = batcher.submit([np.zeros((1, 1, 2), np.float32)] * 2)
+            batcher.submit(images(1, 2, 3, 4))
+        abandoned = batcher.submit(images(1, 2))
+        kept = images(3)
+        future = batcher.submit(kept)
         abandoned.cancel()
-        return await kept
+        await future
+        return kept
 
     result, calls = _run_batcher(go, queue_limit=3)
-    assert calls == [1] and result.batch_size == 1
+    assert calls == [1] and result["logits"][0, 0] == 6
 
+
+def test_a_failed_batch_fails_its_requests_and_the_next_batch_runs():
+    async def go(batcher):
+        bad = batcher.submit(images(1))
+        with pytest.raises(RuntimeError, match="kaput"):
+            await bad
+        good = images(3)
+        await batcher.submit(good)
+        return good
+
+    async def main():
+        calls = []
+
+        def run(parts, queue_ms):
+            calls.append(len(parts))
+            if len(calls) == 1:
+                raise RuntimeError("kaput")
+            parts[0].records["logits"][:, 0] = 1
+            return 0.0
+
+        with ThreadPoolExecutor(1) as pool:
+            batcher = Batcher("m", run, pool, Metrics(), 4, 0.0, 16)
+            batcher.start()
+            try:
+                return await go(batcher)
+            finally:
+                await batcher.stop()
+
+    assert asyncio.run(main())["logits"][0, 0] == 1
+
+
+# -- the serving plan --------------------------------------------------------------------------------------------
+
+def fake(name: str, precision: str, providers: list[str]) -> ModelEntry:
+    return ModelEntry(Path(name), {"name": name, "precision": precision, "providers": providers})
+
+
+def test_the_serving_plan_is_decided_once_from_the_device():
+    entries = [fake("deit", "fp32", [CUDA, CPU]), fake("deit-fp16", "fp16", [CUDA]), fake("vit-int8", "int8", [CPU])]
+    on_gpu = serving_plan(entries, CUDA)
+    assert (on_gpu["deit"].graph, on_gpu["deit"].precision, on_gpu["deit"].provider) == ("deit-fp16", "fp16", CUDA)
+    assert on_gpu["deit-fp16"].graph == "deit-fp16" and on_gpu["vit-int8"].provider == CPU  # int8 stays on the CPU
+    on_cpu = serving_plan(entries, CPU)
+    assert (on_cpu["deit"].graph, on_cpu["deit"].precision, on_cpu["deit"].provider) == ("deit", "fp32", CPU)
+    assert "CUDA only" in on_cpu["deit-fp16"].error and on_cpu["vit-int8"].error is None
+
+
+# -- the attention cache -----------------------------------------------------------------------------------------
 
 def test_attention_cache_is_bounded_by_count_bytes_and_age():
     def record(nbytes: int) -> AttentionRecord:
-        return AttentionRecord("m", {"cls_attention": np.zeros(2, np.float32)}, b"x" * nbytes)
+        return AttentionRecord("m", {"cls_attention": np.zeros(2, np.float32)}, np.zeros((2, 2, 3), np.uint8),
+                               np.zeros(nbytes, np.uint8), (1, 1))
 
     cache = AttentionCache(max_items=3, max_bytes=1000, ttl_s=60)
     for i in range(5):
@@ -180,13 +311,39 @@ def test_attention_cache_is_bounded_by_count_bytes_and_age():
     assert expiring.get("a") is None and len(expiring) == 0
 
 
-def test_service_imports_neither_torch_nor_models():
-    for path in (ROOT / "service").rglob("*.py"):
+# -- what imports what -------------------------------------------------------------------------------------------
+
+def imported_names(folder: Path) -> list[tuple[Path, str]]:
+    found = []
+    for path in folder.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
-            assert not any(n.split(".")[0] in ("torch", "models", "export") for n in names), f"{path}: {names}"
+            if isinstance(node, ast.Import):
+                found += [(path, a.name.split(".")[0]) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                found.append((path, (node.module or "").split(".")[0]))
+    return found
+
+
+def loaded_after(code: str, modules: tuple[str, ...]) -> list[str]:
+    check = f"import sys; {code}; print(','.join(m for m in {modules!r} if m in sys.modules))"
+    return [m for m in subprocess.run([sys.executable, "-c", check], cwd=ROOT, check=True, capture_output=True,
+                                      text=True).stdout.strip().split(",") if m]
+
+
+WEB = ("fastapi", "starlette", "uvicorn", "service")
+
+
+def test_service_imports_neither_torch_nor_models_nor_export():
+    for path, name in imported_names(ROOT / "service"):
+        assert name not in ("torch", "models", "export"), f"{path}: {name}"
     # and at run time, the whole app and its server entry points load without them
-    code = ("import sys, service.app, service.__main__, service.ray_serve; "
-            "bad = [m for m in ('torch', 'models', 'export') if m in sys.modules]; assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+    assert loaded_after("import service.app, service.__main__, service.ray_serve, service.backends.supervisor",
+                        ("torch", "models", "export")) == []
+
+
+def test_export_and_the_repository_contract_never_load_the_web_stack():
+    for folder in ("export", "repository"):
+        for path, name in imported_names(ROOT / folder):
+            assert name not in WEB, f"{path}: {name}"
+    assert loaded_after("import export.pipeline, export.__main__", WEB) == []
+    assert loaded_after("import repository", (*WEB, "torch")) == []

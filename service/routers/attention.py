@@ -1,17 +1,21 @@
-"""GET /attention-map (a result kept by /classify?attention=true) and POST /attention-map (an image)."""
+"""GET /attention-map (a result kept by /classify?attention=true) and POST /attention-map (an image).
+
+Maps are drawn from what the one decode of the upload left: the photo at the resolution it was decoded at
+(JPEGs decode reduced, but never below the model's resize size), and the model input for rollout.
+"""
 import asyncio
-import json
 from typing import Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, File, Query, Request, Response, UploadFile
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from .. import attention as maps
 from ..cache import AttentionRecord
-from ..errors import APIError
-from ..pool import ModelPool, ServedModel
-from ..preprocess import decode, prepare
-from .classify import read_uploads, run_images, top_k
+from ..errors import NotFound
+from ..pipeline import Pipeline, Pipelines
+from .classify import predictions
+from .responses import json_response
+from .uploads import read_images, upload_body
 
 router = APIRouter(tags=["attention"])
 PNG_EXAMPLE = {"image/png": {}, "application/json": {}}
@@ -32,28 +36,28 @@ class MapOptions:
         self.overlay, self.alpha, self.colormap = overlay, alpha, colormap
 
 
-async def render(pool: ModelPool, served: ServedModel, outputs: dict[str, np.ndarray], image_bytes: bytes,
-                 options: MapOptions, extra: dict | None = None) -> Response:
-    attention, policy = served.entry.manifest["attention"], served.entry.policy
+async def render(pipeline: Pipeline, record: AttentionRecord, options: MapOptions, extra: dict | None = None,
+                 headers: dict[str, str] | None = None) -> Response:
+    attention, policy = pipeline.entry.manifest["attention"], pipeline.policy
     if options.method == "rollout":
-        x, _ = await asyncio.get_running_loop().run_in_executor(
-            pool.decode, prepare, image_bytes, policy, pool.settings.max_image_pixels)
-        grid = maps.rollout_grid(await pool.explain(served, x), attention, options.token, options.head)
+        maps.check_rollout(attention)  # before running the explain graph
+        layers = await pipeline.backend.explain(pipeline.name, record.image)
+        grid = maps.rollout_grid(layers, attention, options.token, options.head)
     else:
-        grid = maps.last_layer_grid(outputs, attention, options.token, options.head)
-    image = await asyncio.get_running_loop().run_in_executor(
-        pool.decode, decode, image_bytes, None, pool.settings.max_image_pixels)
-    box = maps.crop_box(image.size, policy)
+        grid = maps.last_layer_grid(record.attention, attention, options.token, options.head)
+    h, w = record.photo.shape[:2]
+    box = policy.crop_box(w, h)
     if options.format == "json":
-        return Response(content=json.dumps({
-            "model": served.name, "method": options.method, "head": options.head,
+        sx, sy = record.size[0] / w, record.size[1] / h
+        return json_response({
+            "model": pipeline.name, "method": options.method, "head": options.head,
             "token": None if "received" in attention["outputs"] else options.token,
             "grid_size": list(grid.shape), "grid": np.round(grid.astype(np.float64), 4).tolist(),
-            "image_size": list(image.size),
-            "crop_box": [round(v, 2) for v in box], **(extra or {})}), media_type="application/json")
+            "image_size": list(record.size), "crop_box": [round(v * s, 2) for v, s in zip(box, (sx, sy, sx, sy))],
+            **(extra or {})}, headers)
     png = await asyncio.get_running_loop().run_in_executor(
-        pool.decode, maps.render_png, image, grid, box, options.overlay, options.alpha, options.colormap)
-    return Response(png, media_type="image/png")
+        None, maps.render_png, record.photo, grid, box, options.overlay, options.alpha, options.colormap)
+    return Response(png, media_type="image/png", headers=headers)
 
 
 @router.get("/attention-map", summary="The attention map of an earlier /classify?attention=true image",
@@ -61,30 +65,30 @@ async def render(pool: ModelPool, served: ServedModel, outputs: dict[str, np.nda
             description="Example: `curl 'localhost:8000/attention-map?id=<id>' -o map.png`.")
 async def attention_map(request: Request, id: str = Query(..., description="an image id from /classify"),
                         options: MapOptions = Depends()) -> Response:
-    pool: ModelPool = request.app.state.pool
-    record: AttentionRecord | None = request.app.state.attention_cache.get(id)
+    pipelines: Pipelines = request.app.state.pipelines
+    record = await pipelines.backend.recall(id)
     if record is None:
-        ttl = pool.settings.attention_ttl_s
-        raise APIError(404, "attention_not_found", f"no attention result with id {id!r}: it expired (results are "
-                                                   f"kept {ttl:g}s, and the least recently used go first when the "
-                                                   "cache is full) or never existed; classify with attention=true")
-    return await render(pool, pool.get(record.model), record.attention, record.image, options)
+        ttl = pipelines.settings.attention_ttl_s
+        raise NotFound(f"no attention result with id {id!r}: it expired (results are kept {ttl:g}s, and the least "
+                       "recently used go first when the cache is full) or never existed; classify with "
+                       "attention=true", "attention_not_found")
+    return await render(pipelines.get(record.model), record, options)
 
 
 @router.post("/attention-map", summary="Classify one image and return its attention map",
              responses={200: {"content": PNG_EXAMPLE}},
-             description="Example: `curl -F file=@cat.jpg 'localhost:8000/attention-map?method=rollout' -o map.png`.")
+             description="Example: `curl -F file=@cat.jpg 'localhost:8000/attention-map?method=rollout' -o map.png`.",
+             openapi_extra=upload_body({"file": "one image"}))
 async def attention_map_for_image(
     request: Request,
-    file: UploadFile = File(..., description="one image"),
     model: str | None = Query(None, description="model name (default: the server's default model)"),
     options: MapOptions = Depends(),
 ) -> Response:
-    pool: ModelPool = request.app.state.pool
-    served = pool.get(model)
-    ((_, data),) = await read_uploads([file], 1)
-    _, _, (result,) = await run_images(pool, served, [data])
-    top = top_k(result.outputs["logits"], served.entry.labels, 1)[0]
-    response = await render(pool, served, result.outputs, data, options, {"prediction": top.model_dump()})
-    response.headers["X-Prediction"] = f"{top.label} {top.score:.4f}"
-    return response
+    pipelines: Pipelines = request.app.state.pipelines
+    pipeline = pipelines.get(model)
+    ((_, data),) = await read_images(request, ("file",), 1)
+    out = await pipeline.images([data], top_k=1, keep=True)
+    record = pipeline.record(out, 0)
+    top = predictions(pipeline, out, 1)[0][0]
+    return await render(pipeline, record, options, {"prediction": top},
+                        {"X-Prediction": f"{top['label']} {top['score']:.4f}"})

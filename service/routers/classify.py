@@ -1,48 +1,22 @@
 """POST /classify: one image (`file`) or several (`files`, each its own batch item) -> top-k labels."""
-import asyncio
 import time
 import uuid
 
-import numpy as np
-from fastapi import APIRouter, File, Query, Request, UploadFile
+from fastapi import APIRouter, Query, Request, Response
 
-from ..cache import AttentionRecord
-from ..errors import APIError
-from ..pool import ModelPool, ServedModel
-from ..schemas import ClassifyResponse, ImageResult, Prediction, Timings
+from ..pipeline import Pipeline, Pipelines, Results
+from ..schemas import ClassifyResponse
+from .responses import json_response
+from .uploads import read_images, upload_body
 
 router = APIRouter(tags=["inference"])
 
 
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return z / z.sum(axis=-1, keepdims=True)
-
-
-def top_k(logits: np.ndarray, labels: list[str], k: int) -> list[Prediction]:
-    probs = softmax(logits.astype(np.float64))
-    order = np.argsort(-probs, kind="stable")[:k]
-    return [Prediction(label=labels[i], index=int(i), score=float(probs[i])) for i in order]
-
-
-async def read_uploads(uploads: list[UploadFile], max_files: int) -> list[tuple[str | None, bytes]]:
-    if not uploads:
-        raise APIError(400, "no_image", "send an image as the multipart field 'file' (or several as 'files')")
-    if len(uploads) > max_files:
-        raise APIError(413, "too_many_files", f"{len(uploads)} images in one request; the limit is {max_files}")
-    return [(u.filename, await u.read()) for u in uploads]
-
-
-async def run_images(pool: ModelPool, served: ServedModel, images: list[bytes]):
-    """Decode all images concurrently, then batch them: ([inputs], [decode seconds], [results])."""
-    with served.batcher.preparing():
-        prepared = await asyncio.gather(*(pool.prepare(data, served) for data in images))
-    inputs, decode_s = [x for x, _ in prepared], [s for _, s in prepared]
-    return inputs, decode_s, await pool.infer(served, inputs)
-
-
-def attention_outputs(served: ServedModel) -> list[str]:
-    return list(served.entry.manifest["attention"]["outputs"].values())
+def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]]:
+    """Per image, its top-k labels, best first (top-k itself was computed once for the whole batch)."""
+    labels, k = pipeline.entry.labels, min(top_k, out.fields["top_index"].shape[1])
+    return [[{"label": labels[i], "index": i, "score": s} for i, s in zip(index, score)]
+            for index, score in zip(out.fields["top_index"][:, :k].tolist(), out.fields["top_score"][:, :k].tolist())]
 
 
 @router.post(
@@ -53,32 +27,29 @@ def attention_outputs(served: ServedModel) -> list[str]:
     responses={400: {"description": "no image, or an image that cannot be decoded"},
                404: {"description": "unknown model"}, 413: {"description": "upload or image too large"},
                415: {"description": "not an image"}, 503: {"description": "overloaded or still loading"}},
+    openapi_extra=upload_body({"file": "one image (JPEG, PNG, WebP, ...)"}, several="files"),
 )
 async def classify(
     request: Request,
-    file: UploadFile | None = File(None, description="one image (JPEG, PNG, WebP, ...)"),
-    files: list[UploadFile] | None = File(None, description="several images"),
     model: str | None = Query(None, description="model name (default: the server's default model)"),
-    top_k_: int = Query(5, alias="top_k", ge=1, le=100, description="how many labels per image"),
+    top_k: int = Query(5, ge=1, le=100, description="how many labels per image"),
     attention: bool = Query(False, description="keep the attention maps for GET /attention-map"),
-) -> ClassifyResponse:
+) -> Response:
     start = time.perf_counter()
-    pool: ModelPool = request.app.state.pool
-    served = pool.get(model)
-    uploads = await read_uploads(([file] if file else []) + (files or []), pool.settings.max_files)
-    _, decode_s, results = await run_images(pool, served, [data for _, data in uploads])
+    pipelines: Pipelines = request.app.state.pipelines
+    pipeline = pipelines.get(model)
+    uploads = await read_images(request, ("file", "files"), pipelines.settings.max_files)
+    out = await pipeline.images([data for _, data in uploads], top_k, keep=attention)
     total_ms = (time.perf_counter() - start) * 1e3
-    out = []
-    for (filename, data), seconds, result in zip(uploads, decode_s, results):
-        item_id = uuid.uuid4().hex
-        url = None
-        if attention:
-            record = AttentionRecord(served.name, {k: result.outputs[k] for k in attention_outputs(served)}, data)
-            if request.app.state.attention_cache.put(item_id, record):
-                url = f"/attention-map?id={item_id}"
-        out.append(ImageResult(
-            id=item_id, filename=filename, batch_size=result.batch_size, attention_map_url=url,
-            predictions=top_k(result.outputs["logits"], served.entry.labels, top_k_),
-            timings_ms=Timings(decode_ms=seconds * 1e3, queue_ms=result.queue_s * 1e3,
-                               inference_ms=result.inference_s * 1e3, total_ms=total_ms)))
-    return ClassifyResponse(model=served.name, results=out)
+    f = out.fields
+    timings = zip(out.decode_ms, f["queue_ms"].tolist(), f["inference_ms"].tolist(), f["batch_size"].tolist())
+    results = []
+    for i, ((filename, _), best, (decode_ms, queue_ms, inference_ms, batch)) in enumerate(
+            zip(uploads, predictions(pipeline, out, top_k), timings)):
+        key = await pipeline.keep(out, i) if attention else None
+        results.append({
+            "id": key or uuid.uuid4().hex, "filename": filename, "predictions": best, "batch_size": batch,
+            "timings_ms": {"decode_ms": decode_ms, "queue_ms": queue_ms, "inference_ms": inference_ms,
+                           "total_ms": total_ms},
+            "attention_map_url": f"/attention-map?id={key}" if key else None})
+    return json_response({"model": pipeline.name, "results": results})

@@ -1,17 +1,18 @@
 """Liveness and readiness, for load balancers and orchestrators (the /v2 forms are in kserve.py)."""
 from fastapi import APIRouter, Request
 
-from ..errors import APIError
+from ..errors import Unavailable
+from ..pipeline import Pipelines
 
 router = APIRouter(tags=["health"])
 
 
 def require_ready(request: Request) -> None:
-    pool = request.app.state.pool
-    if not pool.ready:
-        waiting = [name for name, m in pool.models.items() if not (m.ready or m.error)]
-        raise APIError(503, "not_ready", f"warming up: {', '.join(waiting) or 'no model could be loaded'}",
-                       {"Retry-After": str(pool.settings.retry_after_s)})
+    pipelines: Pipelines = request.app.state.pipelines
+    if not pipelines.ready:
+        waiting = [name for name, s in pipelines.backend.status().items() if not (s.ready or s.error)]
+        raise Unavailable(f"warming up: {', '.join(waiting) or 'no model could be loaded'}", "not_ready",
+                          pipelines.settings.retry_after_s)
 
 
 @router.get("/health/live", summary="200 while the process runs")

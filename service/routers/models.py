@@ -1,23 +1,26 @@
-"""GET /models: what is served, how, and whether it is ready."""
+"""GET /models: what is served, how (the precision and provider that actually run), and whether it is ready."""
 from fastapi import APIRouter, Request
 
-from ..pool import ModelPool, ServedModel
+from ..backends import ModelStatus
+from ..pipeline import Pipeline, Pipelines
 from ..schemas import ModelInfo, ModelsResponse
 
 router = APIRouter(tags=["models"])
 
 
-def model_info(served: ServedModel) -> ModelInfo:
-    m = served.entry.manifest
+def model_info(pipeline: Pipeline, status: ModelStatus) -> ModelInfo:
+    m = pipeline.entry.manifest
     return ModelInfo(
-        name=served.name, architecture=m["architecture"], family=m["family"], task=m["task"], labels=m["labels"],
-        input_size=m["input"]["size"], precision=m["precision"],
-        provider=served.runner.provider if served.runner else None, ready=served.ready, error=served.error,
-        attention=m["attention"], explain=served.entry.has("explain"), parity=m["parity"])
+        name=pipeline.name, architecture=m["architecture"], family=m["family"], task=m["task"], labels=m["labels"],
+        input_size=m["input"]["size"], precision=status.precision or m["precision"], provider=status.provider,
+        graph=status.graph, ready=status.ready, error=status.error, attention=m["attention"],
+        explain=pipeline.entry.has("explain"), parity=m["parity"])
 
 
 @router.get("/models", response_model=ModelsResponse, summary="The served models")
 async def list_models(request: Request) -> ModelsResponse:
-    pool: ModelPool = request.app.state.pool
-    return ModelsResponse(default_model=pool.default_model, models=[model_info(m) for m in pool.models.values()],
-                          not_served=pool.problems)
+    pipelines: Pipelines = request.app.state.pipelines
+    status = pipelines.backend.status()
+    return ModelsResponse(default_model=pipelines.default_model,
+                          models=[model_info(p, status[name]) for name, p in pipelines.pipelines.items()],
+                          not_served=pipelines.backend.problems)

@@ -1,7 +1,6 @@
-"""The model repository: one folder per model with manifest.json and the ONNX graphs it lists.
+"""Model folders: manifest.json validated against manifest.schema.json, every graph against its sha256.
 
-Every manifest is validated against service/manifest.schema.json and every graph against its sha256
-before it is served. A folder that fails is reported with the reason and not served; the others are.
+A folder that fails is reported with the reason and not served; the others are.
 """
 import hashlib
 import json
@@ -11,16 +10,17 @@ from pathlib import Path
 
 import jsonschema
 
-from .preprocess import InputPolicy
+from .policy import InputPolicy
 
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
+SCHEMA_VERSION = 2
 
 
 class RepositoryError(ValueError):
     """A model folder that cannot be served; the message says why."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one object per folder read: hashed by identity
 class ModelEntry:
     folder: Path
     manifest: dict
@@ -83,6 +83,10 @@ def validate_manifest(manifest: dict) -> None:
 def read_entry(folder: Path) -> ModelEntry:
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
+        if isinstance(manifest, dict) and manifest.get("schema_version", SCHEMA_VERSION) < SCHEMA_VERSION:
+            raise RepositoryError(f"{folder.name}: exported by an older vitserve (manifest schema "
+                                  f"{manifest['schema_version']}, float32 input); export it again with `python -m "
+                                  "export` to get the uint8 image input")
         validate_manifest(manifest)
     except json.JSONDecodeError as e:
         raise RepositoryError(f"{folder.name}: manifest.json is not JSON ({e})") from None
@@ -108,4 +112,12 @@ def scan(root: Path) -> tuple[list[ModelEntry], dict[str, str]]:
     duplicates = {n for n in names if names.count(n) > 1}
     if duplicates:
         raise RepositoryError(f"several folders declare the model name(s) {', '.join(sorted(duplicates))}")
+    return entries, problems
+
+
+def servable(root: Path) -> tuple[list[ModelEntry], dict[str, str]]:
+    """`scan`, failing when no model at all can be served."""
+    entries, problems = scan(root)
+    if not entries:
+        raise RepositoryError(f"no servable model in {root}" + "".join(f"; {k}: {v}" for k, v in problems.items()))
     return entries, problems

@@ -1,0 +1,10 @@
+"""The model repository contract: one folder per model with manifest.json and the ONNX graphs it lists.
+
+Shared by the exporter (which writes it) and the service (which reads it); imports neither torch nor the web
+stack, and raises RepositoryError, which each side reports in its own way.
+"""
+from .entries import ModelEntry, RepositoryError, read_entry, scan, servable, sha256, validate_manifest, verify_file
+from .policy import InputPolicy, graph_inputs
+
+__all__ = ["InputPolicy", "ModelEntry", "graph_inputs", "RepositoryError", "read_entry", "scan", "servable", "sha256",
+           "validate_manifest", "verify_file"]

@@ -1,0 +1,62 @@
+"""Where batches run: the seam between the HTTP side and the inference side.
+
+Two backends, one interface:
+  LocalBackend (local.py):     ONNX Runtime sessions and the dynamic batchers in this process, batches run in
+                               an inference thread. The default on a CPU host: each batch already uses every core.
+  ProcessBackend (process.py): this process is one of several HTTP workers; it decodes into records in shared
+                               memory and hands them to one inference process (server.py), which owns the
+                               sessions and the batchers. The default on a CUDA host, where one GIL-bound
+                               process cannot decode and post-process fast enough to keep the GPU busy.
+"""
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from repository import ModelEntry
+
+from ..cache import AttentionRecord
+
+
+@dataclass
+class ModelStatus:
+    """What serves a model name, as decided at start-up, and whether it is ready."""
+    ready: bool = False
+    error: str | None = None
+    provider: str | None = None
+    precision: str | None = None  # what runs: an fp32 model with an fp16 sibling runs in fp16 on CUDA
+    graph: str | None = None  # the model whose model.onnx runs for this name
+
+
+class Backend(Protocol):
+    entries: list[ModelEntry]  # the servable models, by name order (known once `start` returned)
+    problems: dict[str, str]  # repository folders that cannot be served, with why
+
+    async def start(self) -> None:
+        """Know the models; sessions load and warm up in the background after this returns."""
+
+    async def loaded(self) -> None:
+        """Return once every model is warm or has failed."""
+
+    def status(self) -> dict[str, ModelStatus]: ...
+
+    def records(self, model: str, kind: str, n: int) -> AbstractContextManager[np.ndarray]:
+        """n empty records ("image" or "tensor", records.py) to fill, valid inside the `with`."""
+
+    def preparing(self, model: str) -> AbstractContextManager[None]:
+        """Around decoding images that will run on `model` (the batcher may wait for them)."""
+
+    async def run(self, model: str, records: np.ndarray, top_k: int) -> None:
+        """Batch, run and unbatch: results are in the records when it returns. Overloaded: Unavailable."""
+
+    async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
+        """Every layer's attention probabilities for one uint8 [H, W, 3] input (the explain graph)."""
+
+    async def keep(self, key: str, record: AttentionRecord) -> bool:
+        """Store an attention result for GET /attention-map; False if it does not fit."""
+
+    async def recall(self, key: str) -> AttentionRecord | None: ...
+
+    async def close(self) -> None:
+        """Finish what was accepted, then release the sessions."""

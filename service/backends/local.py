@@ -1,0 +1,186 @@
+"""The in-process backend: ONNX Runtime sessions, one dynamic batcher per graph, batches in an inference thread.
+
+Start-up reads the repository at once (a broken repository fails start-up); the device is chosen once, then
+sessions open and warm up in the background, so /health/live answers at once and /health/ready turns 200
+when every model is warm. The inference server of the process backend is this backend behind a socket.
+"""
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+
+import numpy as np
+
+from repository import ModelEntry, servable, verify_file
+
+from ..batching import Batcher, QueueFull
+from ..cache import AttentionCache, AttentionRecord
+from ..errors import BadInput, NotFound, overloaded
+from ..metrics import Metrics
+from ..records import Part, gather_inputs, record_dtype, write_results
+from ..runtime import CUDA, Plan, Runner, choose_device, serving_plan
+from ..settings import Settings
+from . import ModelStatus
+
+log = logging.getLogger("vitserve")
+
+
+class LocalBackend:
+    def __init__(self, settings: Settings, metrics: Metrics, sees_preparing: bool = True,
+                 on_status: Callable[[], None] = lambda: None):
+        self.settings, self.metrics, self.sees_preparing, self.on_status = settings, metrics, sees_preparing, on_status
+        entries, self.problems = servable(settings.model_repository)  # a missing repository fails here
+        for name, problem in self.problems.items():
+            log.error("not serving %s: %s", name, problem)
+        self.entries: list[ModelEntry] = entries
+        self._by_name = {e.name: e for e in entries}
+        self.plans: dict[str, Plan] = {}
+        self._status = {e.name: ModelStatus() for e in entries}
+        self.runners: dict[str, Runner] = {}  # by graph
+        self.batchers: dict[str, Batcher] = {}  # by graph
+        self._explainers: dict[str, Runner] = {}  # by graph, opened on first use
+        self.cache = AttentionCache(settings.attention_cache_items, settings.attention_cache_bytes,
+                                    settings.attention_ttl_s)
+        self.inference: ThreadPoolExecutor | None = None
+        self._loading: asyncio.Task | None = None
+
+    # -- start-up ------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        device = await loop.run_in_executor(None, choose_device, self.entries, self.settings.providers)
+        self.plans = serving_plan(self.entries, device, self.settings.providers)
+        # One inference thread on a CPU (each batch already uses every core); two on a GPU, so that one
+        # batch is copied in and post-processed while the other computes.
+        self.concurrency = 2 if device == CUDA else 1
+        self.inference = ThreadPoolExecutor(self.concurrency, thread_name_prefix="inference")
+        self._loading = loop.create_task(self._load_all(), name="load-models")
+
+    async def loaded(self) -> None:
+        await asyncio.shield(self._loading)
+
+    async def _load_all(self) -> None:
+        loop = asyncio.get_running_loop()
+        for plan in self.plans.values():
+            if plan.error:
+                self._fail(plan.name, plan.error)
+        graphs = {p.graph: p for p in self.plans.values() if not p.error}
+        for graph, plan in graphs.items():
+            names = [p.name for p in self.plans.values() if p.graph == graph and not p.error]
+            try:
+                runner = await loop.run_in_executor(self.inference, self._open, self._by_name[graph], plan)
+            except Exception as e:  # one broken model must not keep the others from serving
+                for name in names:
+                    self._fail(name, str(e))
+                continue
+            self.runners[graph] = runner
+            self.batchers[graph] = Batcher(
+                graph, self._run_batch(graph), self.inference, self.metrics, self.settings.max_batch_size,
+                self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency,
+                self.sees_preparing)
+            self.batchers[graph].start()
+            for name in names:
+                self._ready(name, runner.provider)
+
+    def _open(self, entry: ModelEntry, plan: Plan) -> Runner:
+        runner = Runner(entry.path(), _input_names(entry), list(plan.providers), self.settings.intra_op_threads,
+                        self.settings.spin_wait)
+        # first runs allocate memory and pick kernels: do them before the first request does
+        h, w = entry.policy.size
+        start, no_tensors = time.perf_counter(), np.zeros((0, 3, h, w), np.float32)
+        for batch in sorted({1, self.settings.max_batch_size}):
+            for _ in range(self.settings.warmup_runs):
+                runner.run(np.zeros((batch, h, w, 3), np.uint8), no_tensors)
+        log.debug("%s warmed up in %.2fs", entry.name, time.perf_counter() - start)
+        return runner
+
+    def _ready(self, name: str, provider: str) -> None:
+        plan, entry = self.plans[name], self._by_name[name]
+        self._status[name] = ModelStatus(True, None, provider, plan.precision, plan.graph)
+        self.metrics.ready.labels(name).set(1)
+        self.metrics.model_info.labels(name, entry.manifest["architecture"], entry.task, plan.precision,
+                                       provider).set(1)
+        log.info("%s ready on %s (%s, %s%s)", name, provider, entry.manifest["architecture"], plan.precision,
+                 "" if plan.graph == name else f", the graph of {plan.graph}")
+        self.on_status()
+
+    def _fail(self, name: str, error: str) -> None:
+        self._status[name] = ModelStatus(False, error)
+        log.error("not serving %s: %s", name, error)
+        self.on_status()
+
+    def _run_batch(self, graph: str):
+        runner, size = self.runners[graph], self._by_name[graph].policy.size
+
+        def run(parts: list[Part], queue_ms: list[float]) -> float:
+            images, tensors = gather_inputs(parts, size)
+            start = time.perf_counter()
+            outputs = runner.run(images, tensors)
+            elapsed = time.perf_counter() - start
+            write_results(parts, outputs, queue_ms, elapsed * 1e3)
+            return elapsed
+
+        return run
+
+    async def close(self) -> None:
+        if self._loading is not None:
+            self._loading.cancel()
+            await asyncio.gather(self._loading, return_exceptions=True)
+        for batcher in self.batchers.values():
+            await batcher.stop()
+        if self.inference is not None:
+            self.inference.shutdown(wait=True, cancel_futures=True)
+
+    # -- serving -------------------------------------------------------------------------------------
+    def status(self) -> dict[str, ModelStatus]:
+        return self._status
+
+    def _batcher(self, model: str) -> Batcher:
+        plan = self.plans.get(model)
+        batcher = self.batchers.get(plan.graph) if plan else None
+        if batcher is None:
+            raise NotFound(f"{model} is not being served", "model_not_found")
+        return batcher
+
+    @contextmanager
+    def records(self, model: str, kind: str, n: int) -> Iterator[np.ndarray]:
+        yield np.empty(n, record_dtype(self._by_name[model], kind))
+
+    def preparing(self, model: str):
+        batcher = self.batchers.get(self.plans[model].graph) if model in self.plans else None
+        return batcher.preparing() if batcher is not None else nullcontext()
+
+    async def run(self, model: str, records: np.ndarray, top_k: int) -> None:
+        try:
+            future = self._batcher(model).submit(records, top_k)
+        except QueueFull as e:
+            raise overloaded(str(e), self.settings.retry_after_s) from None
+        await future
+
+    async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
+        graph = self.plans[model].graph
+        entry = self._by_name[graph]
+        if not entry.has("explain"):
+            raise BadInput(f"{model} has no explain graph; use method=last", "rollout_unavailable")
+
+        def work() -> list[np.ndarray]:
+            if graph not in self._explainers:  # only the inference threads get here; a second open is harmless
+                self._explainers[graph] = Runner(verify_file(entry, "explain"), _input_names(entry),
+                                                 list(self.plans[model].providers),
+                                                 self.settings.intra_op_threads, self.settings.spin_wait)
+            h, w = entry.policy.size
+            outputs = self._explainers[graph].run(image[None], np.zeros((0, 3, h, w), np.float32))
+            return [outputs[name][0] for name in entry.manifest["attention"]["explain_outputs"]]
+
+        return await asyncio.get_running_loop().run_in_executor(self.inference, work)
+
+    async def keep(self, key: str, record: AttentionRecord) -> bool:
+        return self.cache.put(key, record)
+
+    async def recall(self, key: str) -> AttentionRecord | None:
+        return self.cache.get(key)
+
+
+def _input_names(entry: ModelEntry) -> tuple[str, str]:
+    return entry.manifest["input"]["name"], entry.manifest["tensor_input"]["name"]

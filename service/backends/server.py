@@ -1,0 +1,122 @@
+"""The inference process of the process backend: a LocalBackend (sessions, batchers, attention cache) serving
+the HTTP workers over a Unix socket.
+
+A worker's `run` message names records in its shared-memory arena; the batcher gathers them with other
+workers' records into one batch, and the results are written back into those same records before the reply.
+Batches are post-processed here, once each, vectorised (softmax, top-k, rows copied out). Model status is
+pushed to every worker as it changes, so readiness answers locally. SIGTERM (from the supervisor, once the
+workers have drained) stops it; SIGINT is left to the supervisor.
+"""
+import asyncio
+import dataclasses
+import logging
+import signal
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ServiceError, to_wire
+from ..metrics import Metrics
+from ..records import record_dtype
+from ..settings import Settings
+from . import wire
+from .arena import map_records
+from .local import LocalBackend
+
+log = logging.getLogger("vitserve")
+
+
+class InferenceServer:
+    def __init__(self, settings: Settings, socket_path: Path):
+        self.settings, self.socket_path = settings, socket_path
+        self.backend = LocalBackend(settings, Metrics(), sees_preparing=False, on_status=self._push_status)
+        self.entries = {e.name: e for e in self.backend.entries}
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    def _status_message(self) -> dict:
+        return {"op": "status", "status": {k: dataclasses.asdict(v) for k, v in self.backend.status().items()}}
+
+    def _push_status(self) -> None:
+        frame = wire.pack(self._status_message())
+        for writer in self._writers:
+            writer.write(frame)
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Serve the workers until `stop` is set, then finish what they wait for."""
+        await self.backend.start()
+        server = await asyncio.start_unix_server(self._connection, self.socket_path)
+        log.info("inference process ready for workers at %s", self.socket_path)
+        await stop.wait()
+        server.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # what the workers still wait for
+        await self.backend.close()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        arenas: dict[str, np.ndarray] = {}  # this worker's arenas, mapped on first use
+        entries = [{"folder": str(e.folder), "manifest": e.manifest} for e in self.backend.entries]
+        writer.write(wire.pack({"op": "hello", "entries": entries, "problems": self.backend.problems,
+                                **self._status_message()}))
+        self._writers.add(writer)
+        mine: set[asyncio.Task] = set()
+        try:
+            while True:
+                message, arrays = await wire.receive(reader)
+                task = asyncio.create_task(self._answer(message, arrays, arenas, writer))
+                for tasks in (self._tasks, mine):
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the worker has gone: its queued requests are abandoned
+        finally:
+            self._writers.discard(writer)
+            for task in mine:
+                task.cancel()
+            writer.close()
+
+    async def _answer(self, message: dict, arrays: dict, arenas: dict, writer: asyncio.StreamWriter) -> None:
+        reply, out = {"id": message["id"]}, {}
+        try:
+            reply_fields, out = await self._handle(message, arrays, arenas)
+            reply.update(reply_fields)
+        except ServiceError as e:
+            reply["error"] = to_wire(e)
+        except Exception as e:  # an unexpected failure fails the request, not the process
+            log.exception("%s failed", message.get("op"))
+            reply["error"] = to_wire(ServiceError(f"the inference process failed: {type(e).__name__}: {e}"))
+        if not writer.is_closing():
+            writer.write(wire.pack(reply, out))
+
+    async def _handle(self, message: dict, arrays: dict, arenas: dict) -> tuple[dict, dict]:
+        op, backend = message["op"], self.backend
+        if op == "run":
+            key = message["arena"]
+            if key not in arenas:
+                dtype = record_dtype(self.entries[message["model"]], message["kind"])
+                path = self.socket_path.parent / key
+                arenas[key] = map_records(path, dtype, path.stat().st_size // dtype.itemsize)
+            start = message["start"]
+            await backend.run(message["model"], arenas[key][start:start + message["count"]], message["top_k"])
+            return {}, {}
+        if op == "explain":
+            layers = await backend.explain(message["model"], arrays["image"])
+            return {}, {str(i): layer for i, layer in enumerate(layers)}
+        if op == "keep":
+            return {"kept": await backend.keep(message["key"], wire.record_from_wire(message, arrays))}, {}
+        if op == "recall":
+            record = await backend.recall(message["key"])
+            return wire.record_to_wire(record) if record is not None else ({"missing": True}, {})
+        raise ServiceError(f"unknown operation {op!r}")
+
+
+def main(settings: Settings, socket_path: Path, log_level: str) -> None:
+    """The process's entry point (multiprocessing, spawn)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which stops us last
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s inference: %(message)s")
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await InferenceServer(settings, socket_path).serve(stop)
+
+    asyncio.run(run())

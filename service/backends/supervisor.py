@@ -1,0 +1,112 @@
+"""Run the process backend: one inference process and N HTTP worker processes on one listening socket.
+
+The supervisor makes a private runtime folder (in /dev/shm where it can: the workers' arenas, the inference
+process's socket, prometheus-client's multiprocess files), starts the inference process, binds the port and
+starts the workers, which all accept on it (as uvicorn's own --workers does). A worker that dies is
+replaced. SIGTERM or Ctrl-C drains: the workers stop accepting and finish every request they accepted, then
+the inference process, which by then has nothing queued, stops.
+"""
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from prometheus_client import multiprocess
+
+from ..settings import Settings
+
+log = logging.getLogger("vitserve")
+
+
+def runtime_folder() -> Path:
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="vitserve-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def worker_main(settings: Settings, sock: socket.socket, socket_path: Path, log_level: str) -> None:
+    """One HTTP worker (multiprocessing, spawn): the whole app over a ProcessBackend."""
+    import uvicorn
+
+    from ..app import create_app
+    from .process import ProcessBackend
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s worker %(process)d: %(message)s")
+    app = create_app(settings, ProcessBackend(settings, socket_path))
+    config = uvicorn.Config(app, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def worker_count(settings: Settings) -> int:
+    """The setting, or one per core with one left for the inference process (at least two)."""
+    return settings.workers or max(2, (os.cpu_count() or 2) - 1)
+
+
+def serve(settings: Settings, log_level: str = "info") -> int:
+    """Run until SIGTERM/SIGINT; the exit status (1 if the inference process failed)."""
+    from . import server
+
+    folder = runtime_folder()
+    (folder / "metrics").mkdir()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder / "metrics")  # inherited by every process started below
+    socket_path = folder / "inference.sock"
+    context = multiprocessing.get_context("spawn")
+    stopping = False
+
+    def stop(*_) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    inference = context.Process(target=server.main, args=(settings, socket_path, log_level), name="vitserve-inference")
+    inference.start()
+    sock = bind(settings.host, settings.port)
+
+    def start_worker() -> multiprocessing.Process:
+        worker = context.Process(target=worker_main, args=(settings, sock, socket_path, log_level),
+                                 name="vitserve-worker")
+        worker.start()
+        return worker
+
+    workers = [start_worker() for _ in range(worker_count(settings))]
+    log.info("vitserve on http://%s:%d: %d HTTP workers, one inference process", settings.host, settings.port,
+             len(workers))
+    status = 0
+    try:
+        while not stopping:
+            time.sleep(0.2)
+            if not inference.is_alive():
+                log.error("the inference process exited with %s; stopping", inference.exitcode)
+                status = 1
+                break
+            for i, worker in enumerate(workers):
+                if not worker.is_alive():
+                    log.error("HTTP worker %d exited with %s; starting another", worker.pid, worker.exitcode)
+                    multiprocess.mark_process_dead(worker.pid)
+                    workers[i] = start_worker()
+    finally:
+        for worker in workers:  # drain: uvicorn finishes the requests it accepted
+            worker.terminate()
+        for worker in workers:
+            worker.join()
+        inference.terminate()
+        inference.join()
+        sock.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    return status

@@ -1,0 +1,46 @@
+"""Messages between HTTP workers and the inference process, over a Unix socket.
+
+A frame is a JSON header and, after it, the raw bytes of any arrays it carries (their names, dtypes and shapes
+are in the header): no pickle, so nothing but plain data crosses. Image records do not travel here at all:
+they live in shared memory (arena.py), and a message only says where.
+"""
+import asyncio
+import json
+import struct
+
+import numpy as np
+
+from ..cache import AttentionRecord
+
+_SIZES = struct.Struct("<II")  # header bytes, array bytes
+
+
+def pack(message: dict, arrays: dict[str, np.ndarray] | None = None) -> bytes:
+    arrays = {name: np.ascontiguousarray(a) for name, a in (arrays or {}).items()}
+    header = json.dumps({**message, "arrays": [[n, a.dtype.str, list(a.shape)] for n, a in arrays.items()]}).encode()
+    blob = b"".join(a.tobytes() for a in arrays.values())
+    return _SIZES.pack(len(header), len(blob)) + header + blob
+
+
+async def receive(reader: asyncio.StreamReader) -> tuple[dict, dict[str, np.ndarray]]:
+    """The next frame; asyncio.IncompleteReadError when the other side has gone."""
+    header_size, blob_size = _SIZES.unpack(await reader.readexactly(_SIZES.size))
+    message = json.loads(await reader.readexactly(header_size))
+    blob = await reader.readexactly(blob_size) if blob_size else b""
+    arrays, offset = {}, 0
+    for name, dtype, shape in message.pop("arrays"):
+        a = np.frombuffer(blob, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
+        arrays[name] = a
+        offset += a.nbytes
+    return message, arrays
+
+
+def record_to_wire(record: AttentionRecord) -> tuple[dict, dict[str, np.ndarray]]:
+    attention = {f"attention/{k}": v for k, v in record.attention.items()}
+    arrays = {"image": record.image, "photo": record.photo, **attention}
+    return {"model": record.model, "size": list(record.size)}, arrays
+
+
+def record_from_wire(message: dict, arrays: dict[str, np.ndarray]) -> AttentionRecord:
+    attention = {k.removeprefix("attention/"): v for k, v in arrays.items() if k.startswith("attention/")}
+    return AttentionRecord(message["model"], attention, arrays["image"], arrays["photo"], tuple(message["size"]))

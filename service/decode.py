@@ -1,0 +1,69 @@
+"""Image bytes -> the model's uint8 input, following the manifest's policy (as models.data.preprocess does).
+
+Decoding handles what real uploads contain: EXIF orientation, grayscale, palette and alpha images
+(composited on white), CMYK, 16-bit PNG/TIFF. Large JPEGs decode in draft mode, at the smallest power-of-two
+reduction that still covers the model's input, which is most of the decoding cost saved. The float work
+(scale, mean/std, layout) happens in the graph, on the device.
+"""
+import io
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from repository import InputPolicy
+
+from .errors import BadInput, TooLarge, UnsupportedMedia
+
+_SWAPS_AXES = {5, 6, 7, 8}  # EXIF orientations that turn the image by 90 degrees
+
+
+@dataclass
+class Photo:
+    image: Image.Image  # upright RGB, at the resolution it was decoded at (JPEGs: possibly reduced)
+    size: tuple[int, int]  # the upload's upright (width, height)
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16/32-bit grayscale: keep the top 8 bits of 16
+        pixels = np.asarray(image, dtype=np.uint32)
+        image = Image.fromarray((pixels >> 8 if pixels.max() > 255 else pixels).clip(0, 255).astype(np.uint8))
+    elif image.mode == "F":
+        image = Image.fromarray(np.asarray(image).clip(0, 255).astype(np.uint8))
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def decode(data: bytes, min_short_side: int | None, max_pixels: int) -> Photo:
+    """Bytes -> upright RGB photo. With `min_short_side`, a JPEG may decode reduced (draft mode) as long as
+    its short side stays >= min_short_side; without, at full size."""
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > max_pixels:
+            raise TooLarge(f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}",
+                           "image_too_large")
+        if image.format == "JPEG" and min_short_side:
+            image.draft("RGB", (min_short_side, min_short_side))
+        size = (height, width) if image.getexif().get(0x0112) in _SWAPS_AXES else (width, height)
+        return Photo(_to_rgb(ImageOps.exif_transpose(image)), size)
+    except Image.DecompressionBombError as e:
+        raise TooLarge(str(e), "image_too_large") from None
+    except UnidentifiedImageError:
+        raise UnsupportedMedia("not an image this server can decode (JPEG, PNG, WebP, GIF, BMP, TIFF)") from None
+    except (OSError, SyntaxError, ValueError) as e:
+        raise BadInput(f"the image could not be decoded: {e}", "bad_image") from None
+
+
+def resize_and_crop(image: Image.Image, policy: InputPolicy) -> Image.Image:
+    """Short side to policy.resize_short_side (aspect kept), then the centre crop of the input size."""
+    resized = image.resize(policy.resized(*image.size), Image.Resampling[policy.interpolation.upper()])
+    return resized.crop(policy.crop(*image.size))
+
+
+def model_input(image: Image.Image, policy: InputPolicy) -> np.ndarray:
+    """The model's `images` input for one photo: uint8 [H, W, 3]."""
+    return np.asarray(resize_and_crop(image, policy))

@@ -1,0 +1,57 @@
+"""The HTTP edge of errors: every error is JSON {"error": {"code": ..., "message": ...}} with its status and
+headers (Retry-After on 503s that have one). Under /v2 the Open Inference Protocol's own shape,
+{"error": "<message>"}, which Triton's clients parse.
+"""
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from .errors import BadInput, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
+
+log = logging.getLogger("vitserve")
+
+STATUS = {BadInput: 400, NotFound: 404, TooLarge: 413, UnsupportedMedia: 415, Unavailable: 503}
+
+
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
+                   path: str = "") -> JSONResponse:
+    error = message if path.startswith("/v2/") or path == "/v2" else {"code": code, "message": message}
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
+
+
+def service_error_response(exc: ServiceError, path: str = "") -> JSONResponse:
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    return error_response(STATUS.get(type(exc), 500), exc.code, exc.message, headers, path)
+
+
+_HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large",
+               415: "unsupported_media_type", 422: "invalid_request", 503: "unavailable"}
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        if type(exc) not in STATUS:
+            log.error("%s %s failed: %s", request.method, request.url.path, exc.message)
+        return service_error_response(exc, request.url.path)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(exc.status_code, _HTTP_CODES.get(exc.status_code, "error"), str(exc.detail),
+                              getattr(exc, "headers", None), request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error_response(422, "invalid_request", f"{where}: {first.get('msg')}".strip(": "),
+                              path=request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(500, "internal_error", f"the server failed: {type(exc).__name__}: {exc}",
+                              path=request.url.path)

@@ -1,0 +1,73 @@
+"""ASGI middleware: the request-body limit and per-route request metrics."""
+import time
+
+from .http_errors import error_response
+from .metrics import Metrics
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """413 for request bodies over the limit: at once from Content-Length, else while the body streams in,
+    so an oversized upload is never buffered whole."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def too_large(self):
+        return error_response(413, "too_large", f"the request body is over the {self.max_bytes}-byte limit")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self.too_large()(scope, receive, send)
+        received, started = 0, False
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise _BodyTooLarge
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except _BodyTooLarge:
+            if not started:
+                await self.too_large()(scope, receive, send)
+
+
+class RequestMetrics:
+    """Counts requests by route template, method and status, and times them."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 500
+
+        async def tracked_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            self.metrics.requests.labels(path, scope["method"], str(status)).inc()
+            self.metrics.request_seconds.labels(path).observe(time.perf_counter() - start)

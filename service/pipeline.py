@@ -1,0 +1,186 @@
+"""One pipeline per model: decode -> batch -> run -> unbatch.
+
+Routers parse a request and encode the answer; in between, a model's pipeline decodes the uploads in the
+decode pool straight into the backend's records (the model's uint8 input, in plain or shared memory), hands
+them to the backend, which batches, runs and writes every image's results back into its record, once per
+batch, and copies those results out. The decoded photo and the model input are kept only where an attention
+map needs them, so nothing is decoded twice.
+"""
+import asyncio
+import logging
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from repository import ModelEntry, RepositoryError
+
+from .backends import Backend
+from .cache import AttentionRecord
+from .decode import Photo, decode, model_input
+from .errors import BadInput, NotFound, Unavailable, overloaded
+from .faces import DetectorSettings, crop_face, detect_faces
+from .metrics import Metrics
+from .records import TIMINGS, output_names, results
+from .settings import Settings
+
+log = logging.getLogger("vitserve")
+
+
+@dataclass
+class Results:
+    """One request's images: their results by record field (outputs, probs, top_index, top_score, timings), each
+    image's decode time and, when kept for attention maps, the decoded photos and the model inputs."""
+    fields: dict[str, np.ndarray]
+    decode_ms: list[float]
+    photos: list[Photo] | None = None
+    inputs: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.decode_ms)
+
+
+class Pipeline:
+    def __init__(self, entry: ModelEntry, backend: Backend, decode_pool: ThreadPoolExecutor, settings: Settings,
+                 metrics: Metrics):
+        self.entry, self.backend, self.decode_pool, self.settings, self.metrics = (
+            entry, backend, decode_pool, settings, metrics)
+        self.name, self.policy = entry.name, entry.policy
+        self.fields = [*output_names(entry), "probs", "top_index", "top_score", *TIMINGS]
+        self.attention_outputs = list(entry.manifest["attention"]["outputs"].values())
+
+    async def images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False) -> Results:
+        """Each upload decoded into one image record and run."""
+        def fill(records: np.ndarray) -> tuple[list[float], list[Photo] | None]:
+            decode_ms, photos = [], []
+            for i, data in enumerate(uploads):
+                start = time.perf_counter()
+                photo = decode(data, self.policy.resize_short_side, self.settings.max_image_pixels)
+                records["image"][i] = model_input(photo.image, self.policy)
+                decode_ms.append(self._decoded(start))
+                photos.append(photo)
+            return decode_ms, photos if keep else None
+
+        return await self._run("image", len(uploads), fill, top_k, keep)
+
+    async def faces(self, upload: bytes, detect: bool, detector: DetectorSettings, margin: float,
+                    keep: bool = False) -> tuple[tuple[int, int], list[tuple[int, int, int, int]], float, Results]:
+        """The faces of a photo (or the whole photo as one aligned face), one image record each, in one batch:
+        (the photo's size, the face boxes, ms to decode and detect, results)."""
+        start = time.perf_counter()
+        with self.backend.preparing(self.name):
+            photo = await asyncio.get_running_loop().run_in_executor(
+                self.decode_pool, decode, upload, None, self.settings.max_image_pixels)
+            boxes = [(0, 0, *photo.image.size)] if not detect else await asyncio.get_running_loop().run_in_executor(
+                self.decode_pool, detect_faces, photo.image, detector)
+        found_ms = self._decoded(start)
+
+        def fill(records: np.ndarray) -> tuple[list[float], list[Photo] | None]:
+            regions = [crop_face(photo.image, box, margin) for box in boxes] if detect else [photo.image]
+            photos = [Photo(region, region.size) for region in regions]
+            for i, face in enumerate(photos):
+                records["image"][i] = model_input(face.image, self.policy)
+            return [found_ms] * len(boxes), photos if keep else None
+
+        return photo.size, boxes, found_ms, await self._run("image", len(boxes), fill, 1, keep)
+
+    async def tensors(self, x: np.ndarray) -> Results:
+        """Preprocessed inputs (KServe v2): float [n, 3, H, W] normalised pixels, or uint8 [n, H, W, 3] images."""
+        kind, field = ("image", "image") if x.dtype == np.uint8 else ("tensor", "tensor")
+
+        def fill(records: np.ndarray) -> tuple[list[float], None]:
+            records[field] = x  # one copy of the batch, nothing to decode: not worth a thread hop
+            return [0.0] * len(x), None
+
+        return await self._run(kind, len(x), fill, 1, False, in_pool=False)
+
+    async def _run(self, kind: str, n: int, fill, top_k: int, keep: bool, in_pool: bool = True) -> Results:
+        """Fill n records (in the decode pool), run them, and copy the results out."""
+        if n == 0:
+            return Results({}, [])
+        with self.backend.records(self.name, kind, n) as records:
+            if in_pool:
+                with self.backend.preparing(self.name):
+                    decode_ms, photos = await asyncio.get_running_loop().run_in_executor(
+                        self.decode_pool, fill, records)
+            else:
+                decode_ms, photos = fill(records)
+            try:
+                await asyncio.wait_for(self.backend.run(self.name, records, top_k), self.settings.request_timeout_s)
+            except TimeoutError:
+                raise overloaded(f"no result from {self.name} within {self.settings.request_timeout_s:g}s",
+                                 self.settings.retry_after_s) from None
+            inputs = records["image"].copy() if keep else None
+            return Results(results(records, self.fields), decode_ms, photos, inputs)
+
+    def _decoded(self, start: float) -> float:
+        seconds = time.perf_counter() - start
+        self.metrics.decode_seconds.observe(seconds)
+        return seconds * 1e3
+
+    def record(self, out: Results, i: int) -> AttentionRecord:
+        """Image i's attention result (of a request run with keep=True)."""
+        photo = out.photos[i]
+        # copies, not views of the request's rows: the cache's byte count is then what it holds
+        return AttentionRecord(self.name, {k: out.fields[k][i].copy() for k in self.attention_outputs},
+                               out.inputs[i].copy(), np.asarray(photo.image), tuple(photo.size))
+
+    async def keep(self, out: Results, i: int) -> str | None:
+        """Store image i's attention result for GET /attention-map: its id, or None if it does not fit."""
+        key = uuid.uuid4().hex
+        return key if await self.backend.keep(key, self.record(out, i)) else None
+
+
+class Pipelines:
+    """The served models by name, one pipeline each over one backend, and the decode pool they share."""
+
+    def __init__(self, backend: Backend, settings: Settings, metrics: Metrics):
+        self.backend, self.settings, self.metrics = backend, settings, metrics
+        threads = settings.decode_threads or min(8, os.cpu_count() or 1)
+        self.decode_pool = ThreadPoolExecutor(threads, thread_name_prefix="decode")
+        self.pipelines: dict[str, Pipeline] = {}
+        self.default_model: str | None = None
+
+    def open(self) -> None:
+        """Once the backend knows its models: a pipeline each and the default model."""
+        entries = self.backend.entries
+        self.pipelines = {e.name: Pipeline(e, self.backend, self.decode_pool, self.settings, self.metrics)
+                          for e in entries}
+        default = self.settings.default_model
+        if default is not None and default not in self.pipelines:
+            raise RepositoryError(f"VITSERVE_DEFAULT_MODEL={default} is not in the repository "
+                                  f"({', '.join(self.pipelines)})")
+        self.default_model = default or next((e.name for e in entries if e.task == "classification"),
+                                             entries[0].name)
+
+    def close(self) -> None:
+        self.decode_pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def ready(self) -> bool:
+        status = self.backend.status().values()
+        return all(s.ready or s.error for s in status) and any(s.ready for s in status)
+
+    def get(self, name: str | None, task: str | None = None) -> Pipeline:
+        """The named (or default) model, ready to serve: NotFound for an unknown name, Unavailable while it warms
+        up or after it failed, BadInput when it is not a model for `task`."""
+        if name is None and task == "expression":
+            name = next((n for n, p in self.pipelines.items() if p.entry.task == "expression"), None)
+            if name is None:
+                raise NotFound("the repository has no expression model (task: expression)", "model_not_found")
+        name = name or self.default_model
+        pipeline = self.pipelines.get(name)
+        if pipeline is None:
+            raise NotFound(f"no model named {name!r}; models: {', '.join(self.pipelines)}", "model_not_found")
+        status = self.backend.status()[name]
+        if status.error:
+            raise Unavailable(f"{name} failed to load: {status.error}", "model_unavailable")
+        if not status.ready:
+            raise Unavailable(f"{name} is still loading", "model_loading", self.settings.retry_after_s)
+        if task is not None and pipeline.entry.task != task:
+            raise BadInput(f"{name} is a {pipeline.entry.task} model; this route needs a model exported with task "
+                           f"{task}", f"not_an_{task}_model")
+        return pipeline

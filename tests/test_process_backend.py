@@ -1,0 +1,169 @@
+"""The process backend: HTTP workers decode into shared memory and hand the records to one inference process.
+
+First two workers' backends against one inference server in this process (what crosses, and what each worker
+sees), then the real `python -m service --backend process` on a loopback port.
+"""
+import asyncio
+import signal
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+from service_process import (ROOT, direct_probabilities, free_port, metric, model_pixels, photo_bytes, run_graph,
+                             running_service, service_env, wait_for)
+
+from service.backends.process import ProcessBackend
+from service.backends.server import InferenceServer
+from service.cache import AttentionRecord
+from service.errors import Unavailable
+from service.settings import Settings
+
+REPO = ROOT / "model_repository"
+JPEG, PNG = photo_bytes("chelsea", "JPEG"), photo_bytes("astronaut", "PNG")
+
+
+def test_workers_share_one_inference_process_its_batches_and_its_attention_results(tmp_path):
+    settings = Settings(model_repository=REPO, queue_limit=8, max_files=8, max_batch_size=8, warmup_runs=0)
+    pixels = np.stack([model_pixels(REPO / "shapes-deit", data) for data in (JPEG, PNG)])
+    want = run_graph(REPO / "shapes-deit" / "model.onnx", pixels)
+
+    async def main():
+        stop = asyncio.Event()
+        server = asyncio.create_task(InferenceServer(settings, tmp_path / "inference.sock").serve(stop))
+        first, second = ProcessBackend(settings, tmp_path / "inference.sock"), ProcessBackend(
+            settings, tmp_path / "inference.sock")
+        try:
+            await asyncio.gather(first.start(), second.start())
+            await asyncio.gather(first.loaded(), second.loaded())
+            assert [e.name for e in first.entries] == [e.name for e in second.entries]
+            assert all(s.ready and s.provider == "CPUExecutionProvider" for s in second.status().values())
+            with first.records("shapes-deit", "image", 2) as a, second.records("shapes-deit", "image", 1) as b:
+                a["image"], b["image"] = pixels, pixels[1:]
+                await asyncio.gather(first.run("shapes-deit", a, 3), second.run("shapes-deit", b, 3))
+                np.testing.assert_allclose(a["logits"], want[0], atol=1e-5)  # written back in shared memory
+                np.testing.assert_allclose(b["dist_attention"][0], want[2][1], atol=1e-6)
+                assert a["batch_size"].tolist() == [3, 3] and b["batch_size"][0] == 3  # one batch across workers
+                assert a["top_index"][0, :3].tolist() == np.argsort(-want[0][0])[:3].tolist()
+            with (first.records("shapes-deit", "image", 8) as running,
+                  first.records("shapes-deit", "image", 8) as queued,
+                  second.records("shapes-deit", "image", 1) as refused):
+                running["image"] = queued["image"] = refused["image"] = pixels[0]
+                busy = asyncio.create_task(first.run("shapes-deit", running, 1))  # a full batch: it starts at once
+                await asyncio.sleep(0.005)
+                waits = asyncio.create_task(first.run("shapes-deit", queued, 1))  # waits for it: the queue is full
+                await asyncio.sleep(0.002)
+                with pytest.raises(Unavailable, match="limit is 8") as e:
+                    await second.run("shapes-deit", refused, 1)
+                assert e.value.code == "overloaded" and e.value.retry_after_s == 1
+                await asyncio.gather(busy, waits)
+            with pytest.raises(Unavailable, match="no room"):  # a worker's own slots are bounded too
+                with first.records("shapes-deit", "image", settings.queue_limit + settings.max_files + 1):
+                    pass
+            assert await first.recall("nope") is None
+            kept = AttentionRecord("shapes-deit", {"cls_attention": want[1][0]}, pixels[0], pixels[0], (96, 96))
+            assert await first.keep("key", kept)
+            back = await second.recall("key")  # the other worker sees it
+            assert back.model == "shapes-deit" and back.size == (96, 96)
+            np.testing.assert_array_equal(back.attention["cls_attention"], want[1][0])
+            layers = await second.explain("shapes-deit", pixels[0])
+            explain = run_graph(REPO / "shapes-deit" / "explain.onnx", pixels[:1])
+            assert len(layers) == len(explain) and np.allclose(layers[-1], explain[-1][0], atol=1e-5)
+        finally:
+            await first.close()
+            await second.close()
+            stop.set()
+            await server
+        assert not list(tmp_path.glob("arena-*"))  # the workers removed their shared memory
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def url():
+    with running_service(backend="process", workers=2, queue_limit=8, max_queue_delay_ms=2) as base:
+        yield base
+
+
+def classify(url: str, *uploads: tuple[str, bytes], **params) -> httpx.Response:
+    files = [("files" if len(uploads) > 1 else "file", upload) for upload in uploads]
+    return httpx.post(f"{url}/classify", files=files, params=params, timeout=30)
+
+
+def test_answers_equal_a_direct_session_and_every_worker_finds_the_attention_maps(url):
+    r = classify(url, ("a.jpg", JPEG), ("b.png", PNG), model="shapes-swin", top_k=6, attention="true")
+    assert r.status_code == 200, r.text
+    for result, data in zip(r.json()["results"], (JPEG, PNG)):
+        got = {p["index"]: p["score"] for p in result["predictions"]}
+        np.testing.assert_allclose([got[i] for i in range(6)], direct_probabilities(REPO / "shapes-swin", data),
+                                   atol=1e-5)
+    keys = [result["id"] for result in r.json()["results"]]
+    for i in range(12):  # a new connection each time: the two workers take turns accepting them
+        got = httpx.get(f"{url}/attention-map", params={"id": keys[i % 2], "format": "json"})
+        assert got.status_code == 200 and got.json()["grid_size"] == [6, 6]
+    models = {m["name"]: m for m in httpx.get(f"{url}/models").json()["models"]}
+    assert models["shapes-swin"]["ready"] and models["shapes-vit-int8"]["precision"] == "int8"
+
+
+def test_metrics_add_up_over_all_processes(url):  # 8 requests: never more than the queue limit
+    before = httpx.get(f"{url}/metrics").text
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)},
+                                                      params={"model": "shapes-deit"}) for _ in range(8)))
+
+    assert all(r.status_code == 200 for r in asyncio.run(burst()))
+    after = httpx.get(f"{url}/metrics").text
+    delta = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)  # noqa: E731
+    assert delta("vitserve_images_total", model="shapes-deit") == 8  # counted in the inference process
+    assert delta("vitserve_requests_total", route="/classify", method="POST", status="200") == 8  # in the workers
+    assert delta("vitserve_decode_seconds_count") == 8
+    assert metric(after, "vitserve_model_ready", model="shapes-deit") == 1
+    assert metric(after, "vitserve_model_info", model="shapes-deit", architecture="deit_micro_distilled_patch8_96",
+                  task="classification", precision="fp32", provider="CPUExecutionProvider") == 1
+    # the supervisor, the inference process and both workers: more memory than one process holds
+    assert metric(after, "process_resident_memory_bytes") > 300 * 2**20
+    assert metric(after, "process_cpu_seconds_total") > metric(before, "process_cpu_seconds_total")
+
+
+def test_a_full_queue_gets_503_with_retry_after_and_bad_input_a_clear_4xx(url):
+    full = classify(url, *[(f"{i}.jpg", JPEG) for i in range(9)])
+    assert full.status_code == 503 and full.headers["Retry-After"] == "1"
+    assert "limit is 8" in full.json()["error"]["message"]
+    bad = classify(url, ("notes.txt", b"just some text"))
+    assert bad.status_code == 415 and bad.json()["error"]["code"] == "unsupported_media_type"
+    assert classify(url, ("a.jpg", JPEG)).status_code == 200
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_ready_only_after_warm_up_and_sigterm_finishes_every_accepted_request(backend):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=service_env({"backend": backend, "workers": 2, "warmup_runs": 40,
+                                             "max_batch_size": 4}))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(base, "/health/live", proc)
+        early = httpx.get(f"{base}/health/ready")
+        assert early.status_code == 503 and early.json()["error"]["code"] == "not_ready"
+        wait_for(base, "/health/ready", proc)
+
+        async def requests_then_sigterm():
+            async with httpx.AsyncClient(timeout=60) as client:
+                files = [("files", (f"{i}.jpg", JPEG)) for i in range(16)]
+                pending = [asyncio.create_task(client.post(f"{base}/classify", files=files)) for _ in range(8)]
+                await asyncio.sleep(0.5)  # accepted and queued: 128 images, batches of 4
+                proc.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*pending)
+
+        responses = asyncio.run(requests_then_sigterm())
+        assert [r.status_code for r in responses] == [200] * 8
+        assert all(len(r.json()["results"]) == 16 for r in responses)
+        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has drained
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{base}/health/live")
+    finally:
+        proc.kill()
