@@ -28,8 +28,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from export.graph import MainGraph, export_graph  # noqa: E402
+from export.graph import ImageInput, MainGraph, export_graph  # noqa: E402
 from models import create_model  # noqa: E402
+from repository import graph_inputs  # noqa: E402
 from service_process import running_service  # noqa: E402
 
 
@@ -39,9 +40,10 @@ class LogitsOnly(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model.eval()
+        self.input = ImageInput(model.spec.mean, model.spec.std)
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.model(pixel_values)
+    def forward(self, images: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(self.input(images, pixel_values))
 
 
 def timed(call) -> float:
@@ -85,15 +87,15 @@ def graph_costs(name: str, rounds: int, cache: Path) -> None:
     torch.manual_seed(0)
     model = create_model(name)
     size = model.spec.img_size
-    paths = {"logits only": cache / f"{name}.logits.onnx", "served (logits + attention)": cache / f"{name}.onnx"}
+    paths = {"logits only": cache / f"{name}.uint8.logits.onnx",
+             "served (logits + attention)": cache / f"{name}.uint8.onnx"}
     for (kind, path), module in zip(paths.items(), (LogitsOnly(model), MainGraph(model))):
         if not path.exists():
             export_graph(module, size, path)
     sessions = {k: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for k, p in paths.items()}
     for batch in (1, 16):
-        x = np.random.default_rng(0).standard_normal((batch, 3, size, size)).astype(np.float32)
-        med = alternate({k: (lambda s: lambda: s.run(None, {"pixel_values": x}))(s) for k, s in sessions.items()},
-                        rounds)
+        x = graph_inputs(np.random.default_rng(0).integers(0, 256, (batch, size, size, 3), np.uint8))
+        med = alternate({k: (lambda s: lambda: s.run(None, x))(s) for k, s in sessions.items()}, rounds)
         base, served = med["logits only"], med["served (logits + attention)"]
         print(f"graph {name} batch {batch:>2}: logits only {base * 1e3:7.1f} ms, with attention outputs "
               f"{served * 1e3:7.1f} ms, ratio {served / base:.3f}")

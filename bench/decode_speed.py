@@ -3,8 +3,8 @@
     python bench/decode_speed.py
 
 A real photograph (scikit-image's astronaut) resized to several sizes and encoded as JPEG (quality 90) and
-PNG, then run through the service's own `prepare` for a 224 px model (resize the short side to 248,
-centre-crop 224, normalise). JPEG is timed with draft mode (what the service does: the decoder skips
+PNG, then run through the service's own decoding for a 224 px model (resize the short side to 248, centre-crop
+224, uint8 out: the graph normalises). JPEG is timed with draft mode (what the service does: the decoder skips
 detail the model would throw away) and at full size; medians over rounds, alternating.
 """
 import io
@@ -18,7 +18,8 @@ from PIL import Image
 from skimage import data as photos
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service.preprocess import InputPolicy, decode, normalise, prepare, resize_and_crop  # noqa: E402
+from repository import InputPolicy  # noqa: E402
+from service.decode import decode, model_input  # noqa: E402
 
 POLICY = InputPolicy((224, 224), 248, "bicubic", (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 SIZES = [(800, 600), (1600, 1200), (3264, 2448), (4032, 3024)]
@@ -30,9 +31,8 @@ def encoded(size: tuple[int, int], fmt: str) -> bytes:
     return buf.getvalue()
 
 
-def full_size(data: bytes) -> None:
-    image = decode(data, None, 10**9)
-    normalise(resize_and_crop(image, POLICY), POLICY)
+def prepare(data: bytes, short_side: int | None) -> None:
+    model_input(decode(data, short_side, 10**9).image, POLICY)
 
 
 def main(rounds: int = 9) -> None:
@@ -41,9 +41,9 @@ def main(rounds: int = 9) -> None:
         mp = w * h / 1e6
         for fmt in ("JPEG", "PNG"):
             data = encoded((w, h), fmt)
-            calls = {"service": lambda: prepare(data, POLICY, 10**9)}
+            calls = {"service": lambda: prepare(data, POLICY.resize_short_side)}
             if fmt == "JPEG":
-                calls["full"] = lambda: full_size(data)
+                calls["full"] = lambda: prepare(data, None)
             times = {k: [] for k in calls}
             for _ in range(rounds):
                 for k in random.sample(list(calls), len(calls)):

@@ -19,10 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from service.loadtest import classify_requests, run_level  # noqa: E402
-from service.preprocess import InputPolicy, prepare  # noqa: E402
-from service_overhead import v2_requests  # noqa: E402
-from service_process import photo_bytes, running_service  # noqa: E402
+from repository import InputPolicy  # noqa: E402
+from service.loadtest import classify_requests, run_level, v2_requests  # noqa: E402
+from service_process import model_pixels, photo_bytes, running_service  # noqa: E402
 
 
 def main() -> None:
@@ -35,9 +34,10 @@ def main() -> None:
     args = p.parse_args()
     manifest = json.loads((ROOT / "model_repository" / args.model / "manifest.json").read_text())
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
-    x, _ = prepare(jpeg, InputPolicy.from_manifest(manifest["input"]), 10**9)
+    pixels = model_pixels(ROOT / "model_repository" / args.model, jpeg)
+    x = InputPolicy.from_manifest(manifest["input"]).normalise(pixels[None])
     routes = {"classify": classify_requests([("chelsea.jpg", jpeg)], {"model": args.model, "top_k": 1}),
-              "v2": v2_requests(args.model, x)}
+              "v2": v2_requests(args.model, manifest["tensor_input"]["name"], x)}
     figures: dict[tuple, list[float]] = {}
     with contextlib.ExitStack() as stack:
         urls = {d: stack.enter_context(running_service(max_queue_delay_ms=d, warmup_runs=1)) for d in args.delays}

@@ -4,11 +4,10 @@ Requests (each a block of image records) queue up; a batch runs as soon as it ho
 its oldest image has waited max_queue_delay. A request larger than the room left is split across batches.
 Unlike Triton, the batcher knows which requests are still decoding their images for this graph
 (`preparing`): a partial batch waits only while one is, since nothing else could join it, so a lone client
-never pays the delay. Where decoding happens in other processes (the process backend's inference server),
-the batcher cannot see it, and a partial batch waits up to the delay, as in Triton.
-Up to `concurrency` batches run at once in the executor (2 on a GPU: one is copied in and post-processed while
-the other computes); results are written into the requests' records there, and each request's future is
-resolved once all its images are done. Beyond queue_limit queued images, new requests are refused at once
+never pays the delay (under the process backend the HTTP workers tell the inference process what they are
+decoding). Up to `concurrency` batches run at once in the executor (2 on a GPU: one is copied in and
+post-processed while the other computes); results are written into the requests' records there, and each
+request's future is resolved once all its images are done. Beyond queue_limit queued images, new requests are refused at once
 instead of growing the queue.
 """
 import asyncio
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .metrics import Metrics
-from .records import Part
+from .records import KINDS, Part
 
 
 class QueueFull(Exception):
@@ -33,6 +32,7 @@ class QueueFull(Exception):
 class _Request:
     records: np.ndarray
     top_k: int
+    jpegs: list[bytes] | None
     future: asyncio.Future
     enqueued: float
     taken: int = 0  # records already in a batch
@@ -45,7 +45,7 @@ RunBatch = Callable[[list[Part], list[float]], float]
 
 class Batcher:
     def __init__(self, name: str, run: RunBatch, executor: Executor, metrics: Metrics, max_batch_size: int,
-                 max_queue_delay_s: float, queue_limit: int, concurrency: int = 1, sees_preparing: bool = True):
+                 max_queue_delay_s: float, queue_limit: int, concurrency: int = 1):
         self.name, self.run, self.executor, self.metrics = name, run, executor, metrics
         self.max_batch_size, self.max_queue_delay_s, self.queue_limit = max_batch_size, max_queue_delay_s, queue_limit
         self._waiting: deque[_Request] = deque()
@@ -54,7 +54,6 @@ class Batcher:
         self._running: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         self._preparing = 0  # requests decoding images that will come to this batcher
-        self.sees_preparing = sees_preparing
         self.depth = 0  # queued images not yet in a batch
 
     def start(self) -> None:
@@ -73,19 +72,24 @@ class Batcher:
     @contextmanager
     def preparing(self) -> Iterator[None]:
         """Around a request's decoding: while it runs, a partial batch may wait (up to the delay) for its images."""
-        self._preparing += 1
+        self.expect(1)
         try:
             yield
         finally:
-            self._preparing -= 1
+            self.expect(-1)
 
-    def submit(self, records: np.ndarray, top_k: int = 1) -> asyncio.Future:
-        """Queue the records; the future resolves once results are written into all of them."""
+    def expect(self, requests: int) -> None:
+        """`requests` more (or, negative, fewer) requests are decoding images for this batcher."""
+        self._preparing += requests
+
+    def submit(self, records: np.ndarray, top_k: int = 1, jpegs: list[bytes] | None = None) -> asyncio.Future:
+        """Queue the records (with their JPEG bytes, for "jpeg" records); the future resolves once results are
+        written into all of them."""
         n = len(records)
         if self.depth + n > self.queue_limit:
             raise QueueFull(f"{self.name} has {self.depth} images queued; the limit is {self.queue_limit}")
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Request(records, top_k, future, time.perf_counter(), left=n))
+        self._waiting.append(_Request(records, top_k, jpegs, future, time.perf_counter(), left=n))
         self.depth += n
         self.metrics.queue_depth.labels(self.name).set(self.depth)
         self._arrived.set()
@@ -104,7 +108,9 @@ class Batcher:
                     continue
                 deadline = deadline or request.enqueued + self.max_queue_delay_s
                 n = min(room, len(request.records) - request.taken)
-                taken.append((request, Part(request.records, request.taken, request.taken + n, request.top_k)))
+                rows = slice(request.taken, request.taken + n)
+                jpegs = request.jpegs[rows] if request.jpegs is not None else None
+                taken.append((request, Part(request.records, rows.start, rows.stop, request.top_k, jpegs)))
                 request.taken += n
                 room -= n
                 self.depth -= n
@@ -116,7 +122,7 @@ class Batcher:
                 await self._arrived.wait()
                 continue
             remaining = deadline - time.perf_counter()
-            if remaining <= 0 or (self.sees_preparing and not self._preparing):
+            if remaining <= 0 or not self._preparing:
                 break
             try:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
@@ -138,7 +144,7 @@ class Batcher:
             task.add_done_callback(self._running.discard)
 
     async def _run(self, taken: list[tuple[_Request, Part]]) -> None:
-        taken.sort(key=lambda t: t[1].kind != "image")  # the images first, as the graph returns their rows first
+        taken.sort(key=lambda t: KINDS.index(t[1].kind))  # JPEGs and images first: their rows come back first
         start = time.perf_counter()
         waits = [start - request.enqueued for request, _ in taken]
         parts = [part for _, part in taken]
@@ -158,5 +164,9 @@ class Batcher:
         self.metrics.observe_batch(self.name, sum(p.size for p in parts), waits, elapsed)
         for request, part in taken:
             request.left -= part.size
-            if request.left == 0 and not request.future.done():
+            if request.future.done():
+                continue
+            if part.error is not None:
+                request.future.set_exception(part.error)
+            elif request.left == 0:
                 request.future.set_result(None)

@@ -6,6 +6,7 @@ reduction that still covers the model's input, which is most of the decoding cos
 (scale, mean/std, layout) happens in the graph, on the device.
 """
 import io
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,25 +38,46 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def decode(data: bytes, min_short_side: int | None, max_pixels: int) -> Photo:
-    """Bytes -> upright RGB photo. With `min_short_side`, a JPEG may decode reduced (draft mode) as long as
-    its short side stays >= min_short_side; without, at full size."""
+@contextmanager
+def _decoding():
+    """Pillow's complaints as the service's errors."""
     try:
-        image = Image.open(io.BytesIO(data))
-        width, height = image.size
-        if width * height > max_pixels:
-            raise TooLarge(f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}",
-                           "image_too_large")
-        if image.format == "JPEG" and min_short_side:
-            image.draft("RGB", (min_short_side, min_short_side))
-        size = (height, width) if image.getexif().get(0x0112) in _SWAPS_AXES else (width, height)
-        return Photo(_to_rgb(ImageOps.exif_transpose(image)), size)
+        yield
     except Image.DecompressionBombError as e:
         raise TooLarge(str(e), "image_too_large") from None
     except UnidentifiedImageError:
         raise UnsupportedMedia("not an image this server can decode (JPEG, PNG, WebP, GIF, BMP, TIFF)") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise BadInput(f"the image could not be decoded: {e}", "bad_image") from None
+
+
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    """The image, its header read and nothing decoded yet; a non-image or one over max_pixels raises."""
+    with _decoding():
+        image = Image.open(io.BytesIO(data))
+    width, height = image.size
+    if width * height > max_pixels:
+        raise TooLarge(f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}",
+                       "image_too_large")
+    return image
+
+
+def decode_size(data: bytes, max_pixels: int) -> tuple[int, int]:
+    """The image's (width, height) from its header alone, with the errors `decode` would raise for a non-image
+    or a bomb."""
+    return _open(data, max_pixels).size
+
+
+def decode(data: bytes, min_short_side: int | None, max_pixels: int) -> Photo:
+    """Bytes -> upright RGB photo. With `min_short_side`, a JPEG may decode reduced (draft mode) as long as
+    its short side stays >= min_short_side; without, at full size."""
+    image = _open(data, max_pixels)
+    width, height = image.size
+    with _decoding():
+        if image.format == "JPEG" and min_short_side:
+            image.draft("RGB", (min_short_side, min_short_side))
+        size = (height, width) if image.getexif().get(0x0112) in _SWAPS_AXES else (width, height)
+        return Photo(_to_rgb(ImageOps.exif_transpose(image)), size)
 
 
 def resize_and_crop(image: Image.Image, policy: InputPolicy) -> Image.Image:

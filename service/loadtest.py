@@ -3,10 +3,13 @@
     python -m service.loadtest --url http://localhost:8000 --concurrency 1,4,16,64
     python -m service.loadtest --url http://localhost:8000 --concurrency 1,4,16,64 --files-per-request 8 \\
         --processes 4 --plot load.png --json load.json
+    python -m service.loadtest --url http://localhost:8000 --model shapes-deit --v2 UINT8 --concurrency 64,256
 
 Each level runs `--concurrency` clients, each sending requests back to back over a kept-alive connection; what
 completes in the `--duration` seconds after a short warm-up counts. A request carries `--files-per-request` images
-(the multipart field `file` for one, `files` repeated for several), so images/s = requests/s x files.
+(the multipart field `file` for one, `files` repeated for several), so images/s = requests/s x files. With
+`--v2 FP32|UINT8` the requests go to the KServe v2 infer route instead: a random tensor of the model's input shape
+(`files-per-request` images in its batch), in the binary tensor extension, outputs asked for in binary.
 `--processes P` splits a level's clients over P spawned client processes, each its own event loop, all measuring
 the same wall-clock window; their images, failures and latency samples are merged.
 
@@ -36,9 +39,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 
 # sends request number i on the session and returns its HTTP status
 Send = Callable[[aiohttp.ClientSession, int], Awaitable[int]]
+# a Send's factory and its plain arguments: what a spawned client process rebuilds its Send from
+Sender = tuple[Callable[..., Send], tuple]
 
 # share of one core above which a client process's single-threaded event loop, not the server, limits the figure
 CLIENT_BOUND_CORES = 0.9
@@ -101,6 +107,25 @@ def classify_requests(images: list[tuple[str, bytes]], params: dict, files_per_r
 
     async def send(session: aiohttp.ClientSession, i: int) -> int:
         async with session.post(route, data=bodies[i % len(bodies)], params=params, headers=headers) as r:
+            await r.read()
+            return r.status
+
+    return send
+
+
+def v2_requests(model: str, name: str, x: np.ndarray, binary_outputs: bool = True) -> Send:
+    """POST /v2/models/MODEL/infer with the batch `x` as input `name` in the binary tensor extension (tritonclient's
+    encoding); outputs in binary too, unless `binary_outputs` is off (then the JSON the protocol defaults to)."""
+    datatype = {np.dtype(np.float32): "FP32", np.dtype(np.uint8): "UINT8"}[x.dtype]
+    blob = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<")).tobytes()
+    header = json.dumps({"inputs": [{"name": name, "datatype": datatype, "shape": list(x.shape),
+                                     "parameters": {"binary_data_size": len(blob)}}],
+                         "parameters": {"binary_data_output": binary_outputs}}).encode()
+    body = header + blob
+    headers = {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"}
+
+    async def send(session: aiohttp.ClientSession, i: int) -> int:
+        async with session.post(f"/v2/models/{model}/infer", data=body, headers=headers) as r:
             await r.read()
             return r.status
 
@@ -177,10 +202,11 @@ def split(concurrency: int, processes: int) -> list[int]:
     return [n for k in range(processes) if (n := concurrency // processes + (k < concurrency % processes))]
 
 
-def client_process(link: Connection, url: str, images: list[tuple[str, bytes]], params: dict, files_per_request: int,
-                   route: str, concurrency: int, warmup: float, duration: float) -> None:
+def client_process(link: Connection, url: str, sender: Sender, concurrency: int, warmup: float,
+                   duration: float) -> None:
     """A spawned client: says when it is ready, gets the common start time, sends back its Share."""
-    send = classify_requests(images, params, files_per_request, route)
+    factory, args = sender
+    send = factory(*args)
     link.send(None)
     start_at = link.recv()
     link.send(asyncio.run(run_clients(url, send, concurrency, start_at, warmup, duration)))
@@ -194,18 +220,16 @@ def receive(link: Connection) -> object:
         raise RuntimeError("a client process died (its traceback is above)") from None
 
 
-def run_level_processes(url: str, images: list[tuple[str, bytes]], params: dict, concurrency: int, duration: float,
-                        processes: int, warmup: float = 1.0, files_per_request: int = 1,
-                        route: str = "/classify") -> LevelResult:
-    """run_level with the clients split over `processes` spawned processes, which rebuild the sender from these
-    plain arguments and all count the same wall-clock window."""
+def run_level_processes(url: str, sender: Sender, concurrency: int, duration: float, processes: int,
+                        warmup: float = 1.0, files_per_request: int = 1) -> LevelResult:
+    """run_level with the clients split over `processes` spawned processes, which rebuild the Send from `sender`
+    (e.g. `(classify_requests, (images, params, files))`) and all count the same wall-clock window."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no event loop or socket copied by fork
     links, workers = [], []
     for n in split(concurrency, processes):
         ours, theirs = context.Pipe()
         workers.append(context.Process(target=client_process, daemon=True,
-                                       args=(theirs, url, images, params, files_per_request, route, n, warmup,
-                                             duration)))
+                                       args=(theirs, url, sender, n, warmup, duration)))
         workers[-1].start()
         theirs.close()  # ours alone holds the pipe open now: a client that dies ends it, and recv raises
         links.append(ours)
@@ -274,6 +298,20 @@ def plot(results: list[LevelResult], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def v2_sender(url: str, model: str | None, datatype: str, batch: int) -> Sender:
+    """Random tensors of `model`'s input of that datatype, from its v2 metadata."""
+    if model is None:
+        raise SystemExit("error: --v2 needs --model")
+    import urllib.request
+    with urllib.request.urlopen(f"{url}/v2/models/{model}") as r:
+        inputs = json.load(r)["inputs"]
+    wanted = next(i for i in inputs if i["datatype"] == datatype)
+    shape = [batch, *wanted["shape"][1:]]
+    rng = np.random.default_rng(0)
+    x = rng.random(shape, np.float32) if datatype == "FP32" else rng.integers(0, 256, shape, np.uint8)
+    return v2_requests, (model, wanted["name"], x)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m service.loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -284,18 +322,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--image", type=Path, action="append", help="image file(s) to send (default: sample photos)")
     p.add_argument("--files-per-request", type=int, default=1, help="images per request (several: field `files`)")
     p.add_argument("--processes", type=int, default=1, help="client processes to split each level's clients over")
+    p.add_argument("--v2", choices=["FP32", "UINT8"], help="send random tensors to /v2 infer instead (needs --model)")
     p.add_argument("--plot", type=Path, help="save throughput and latency vs concurrency as an image")
     p.add_argument("--json", type=Path, help="save the results as JSON")
     args = p.parse_args(argv)
-    images = [(f.name, f.read_bytes()) for f in args.image] if args.image else default_images()
-    params, files = {"model": args.model, "top_k": 1}, args.files_per_request
-    send = classify_requests(images, params, files)
+    files = args.files_per_request
+    sender = v2_sender(args.url, args.model, args.v2, files) if args.v2 else (classify_requests, (
+        [(f.name, f.read_bytes()) for f in args.image] if args.image else default_images(),
+        {"model": args.model, "top_k": 1}, files))
     results = []
     for c in (int(x) for x in args.concurrency.split(",")):
+        send = sender[0](*sender[1])
         results.append(asyncio.run(run_level(args.url, send, c, args.duration, files_per_request=files))
                        if args.processes == 1 else
-                       run_level_processes(args.url, images, params, c, args.duration, args.processes,
-                                           files_per_request=files))
+                       run_level_processes(args.url, sender, c, args.duration, args.processes, files_per_request=files))
         print(table(results[-1:]).splitlines()[-1] if len(results) > 1 else table(results), flush=True)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")

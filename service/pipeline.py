@@ -20,9 +20,10 @@ from repository import ModelEntry, RepositoryError
 
 from .backends import Backend
 from .cache import AttentionRecord
-from .decode import Photo, decode, model_input
+from .decode import Photo, decode, decode_size, model_input
 from .errors import BadInput, NotFound, Unavailable, overloaded
 from .faces import DetectorSettings, crop_face, detect_faces
+from .gpu_decode import is_jpeg
 from .metrics import Metrics
 from .records import TIMINGS, output_names, results
 from .settings import Settings
@@ -53,7 +54,10 @@ class Pipeline:
         self.attention_outputs = list(entry.manifest["attention"]["outputs"].values())
 
     async def images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False) -> Results:
-        """Each upload decoded into one image record and run."""
+        """Each upload decoded into one image record and run; where the backend decodes JPEGs on the GPU (and no
+        photo is kept for a map), JPEGs go there undecoded."""
+        if not keep and self.backend.status()[self.name].decode == "gpu" and all(map(is_jpeg, uploads)):
+            return await self._jpegs(uploads, top_k)
         def fill(records: np.ndarray) -> tuple[list[float], list[Photo] | None]:
             decode_ms, photos = [], []
             for i, data in enumerate(uploads):
@@ -65,6 +69,14 @@ class Pipeline:
             return decode_ms, photos if keep else None
 
         return await self._run("image", len(uploads), fill, top_k, keep)
+
+    async def _jpegs(self, uploads: list[bytes], top_k: int) -> Results:
+        def check(records: np.ndarray) -> tuple[list[float], None]:
+            for data in uploads:  # the header alone: what the GPU would be asked to decode, and a bomb's refusal
+                decode_size(data, self.settings.max_image_pixels)
+            return [0.0] * len(uploads), None
+
+        return await self._run("jpeg", len(uploads), check, top_k, False, jpegs=uploads)
 
     async def faces(self, upload: bytes, detect: bool, detector: DetectorSettings, margin: float,
                     keep: bool = False) -> tuple[tuple[int, int], list[tuple[int, int, int, int]], float, Results]:
@@ -97,7 +109,8 @@ class Pipeline:
 
         return await self._run(kind, len(x), fill, 1, False, in_pool=False)
 
-    async def _run(self, kind: str, n: int, fill, top_k: int, keep: bool, in_pool: bool = True) -> Results:
+    async def _run(self, kind: str, n: int, fill, top_k: int, keep: bool, in_pool: bool = True,
+                   jpegs: list[bytes] | None = None) -> Results:
         """Fill n records (in the decode pool), run them, and copy the results out."""
         if n == 0:
             return Results({}, [])
@@ -109,7 +122,8 @@ class Pipeline:
             else:
                 decode_ms, photos = fill(records)
             try:
-                await asyncio.wait_for(self.backend.run(self.name, records, top_k), self.settings.request_timeout_s)
+                async with asyncio.timeout(self.settings.request_timeout_s):
+                    await self.backend.run(self.name, records, top_k, jpegs)
             except TimeoutError:
                 raise overloaded(f"no result from {self.name} within {self.settings.request_timeout_s:g}s",
                                  self.settings.retry_after_s) from None

@@ -5,8 +5,10 @@ in it, runs, and writes each image's results (its rows of every output, softmax,
 that image's record, once per batch and vectorised. The records are plain memory in this process, or slots of
 a worker's shared memory under the process backend: the same code fills both.
 
-Two kinds per model: "image" records carry uint8 [H, W, 3] pixels (the graph's `images` input), "tensor"
-records float32 [3, H, W] normalised pixels (its `pixel_values` input, for KServe v2 FP32 clients).
+Three kinds per model: "image" records carry uint8 [H, W, 3] pixels (the graph's `images` input), "tensor"
+records float32 [3, H, W] normalised pixels (its `pixel_values` input, for KServe v2 FP32 clients), and "jpeg"
+records no input at all: their JPEG bytes travel beside them and are decoded on the GPU with their batch
+(gpu_decode.py), straight into the graph's `images` input on the device.
 """
 from dataclasses import dataclass
 from functools import cache
@@ -16,7 +18,7 @@ import numpy as np
 from repository import ModelEntry
 
 MAX_TOP_K = 100
-KINDS = ("image", "tensor")
+KINDS = ("jpeg", "image", "tensor")  # the order of a batch's rows: the graph returns the images' rows first
 TIMINGS = ("batch_size", "queue_ms", "inference_ms")
 
 
@@ -25,7 +27,8 @@ def record_dtype(entry: ModelEntry, kind: str) -> np.dtype:
     h, w = entry.policy.size
     classes = len(entry.labels)
     top = min(classes, MAX_TOP_K)
-    fields = [("image", np.uint8, (h, w, 3))] if kind == "image" else [("tensor", np.float32, (3, h, w))]
+    fields = {"image": [("image", np.uint8, (h, w, 3))], "tensor": [("tensor", np.float32, (3, h, w))],
+              "jpeg": []}[kind]
     fields += [(o["name"], np.float32, tuple(d for d in o["shape"] if d != "batch")) for o in entry.manifest["outputs"]]
     fields += [("probs", np.float32, (classes,)), ("top_index", np.int32, (top,)), ("top_score", np.float32, (top,)),
                ("batch_size", np.int32), ("queue_ms", np.float32), ("inference_ms", np.float32)]
@@ -41,13 +44,20 @@ def results(records: np.ndarray, fields: list[str]) -> dict[str, np.ndarray]:
     return {name: records[name].copy() for name in fields}
 
 
-@dataclass
+def kind_of(records: np.ndarray) -> str:
+    names = records.dtype.names
+    return "image" if "image" in names else "tensor" if "tensor" in names else "jpeg"
+
+
+@dataclass(eq=False)
 class Part:
-    """Rows [start, stop) of one request's records, in one batch."""
+    """Rows [start, stop) of one request's records, in one batch (and their JPEG bytes, for "jpeg" records)."""
     records: np.ndarray
     start: int
     stop: int
     top_k: int
+    jpegs: list[bytes] | None = None
+    error: Exception | None = None  # set when this part alone failed (a JPEG no decoder could read)
 
     @property
     def size(self) -> int:
@@ -55,11 +65,11 @@ class Part:
 
     @property
     def kind(self) -> str:
-        return "image" if "image" in self.records.dtype.names else "tensor"
+        return kind_of(self.records)
 
 
-def gather_inputs(parts: list[Part], size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """The batch's (images, pixel_values) inputs; `parts` ordered images first, as the outputs' rows come back."""
+def host_inputs(parts: list[Part], size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's uint8 images and float pixel_values from its "image" and "tensor" parts, in the parts' order."""
     h, w = size
     images = [p.records["image"][p.start:p.stop] for p in parts if p.kind == "image"]
     tensors = [p.records["tensor"][p.start:p.stop] for p in parts if p.kind == "tensor"]

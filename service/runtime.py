@@ -95,7 +95,11 @@ class Runner:
             # IOBinding: outputs stay on the device until one copy back, no per-run host allocations for them.
             binding = self.session.io_binding()
             for name, value in feeds.items():
-                binding.bind_cpu_input(name, value)
+                if hasattr(value, "__cuda_array_interface__"):  # decoded on the GPU: bound where it lies
+                    binding.bind_input(name, "cuda", 0, value.dtype.type, list(value.shape),
+                                       value.__cuda_array_interface__["data"][0])
+                else:
+                    binding.bind_cpu_input(name, value)
             for name in self.output_names:
                 binding.bind_output(name, "cuda")
             self.session.run_with_iobinding(binding)

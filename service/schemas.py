@@ -40,6 +40,8 @@ class ModelInfo(BaseModel):
                                        "sibling's graph on CUDA")
     provider: str | None = Field(description="the ONNX Runtime provider it runs on, once loaded")
     graph: str | None = Field(None, description="the model whose graph runs for this name")
+    decode: str = Field("cpu", description="where its JPEGs are decoded: cpu (Pillow, in the HTTP workers) or gpu "
+                                           "(nvImageCodec, with their batch, straight into the model's input)")
     ready: bool
     error: str | None = None
     attention: dict = Field(description="how attention maps are computed for this model")

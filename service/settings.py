@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     max_files: int = Field(64, ge=1, description="images per /classify request")
     providers: list[str] | None = Field(None, description="ONNX Runtime providers to try, best first "
                                                           "(default: CUDA if it starts here, then CPU)")
+    gpu_decode: bool = Field(True, description="on CUDA, decode JPEGs on the GPU with nvImageCodec, in batches, "
+                                               "where it and CuPy are installed (the `gpu` extra); else Pillow")
     intra_op_threads: int = Field(0, ge=0, description="threads per inference (0: one per core)")
     decode_threads: int = Field(0, ge=0, description="image-decoding threads (0: one per core, at most 8)")
     spin_wait: bool = Field(False, description="ONNX Runtime threads spin between runs (lower latency alone, but "

@@ -52,3 +52,43 @@ def test_fp16_export_passes_its_gate_on_cuda_and_is_served_for_its_base_name(tmp
         assert (models["shapes-deit"]["precision"], models["shapes-deit"]["graph"]) == ("fp16", "shapes-deit-fp16")
         r = httpx.post(f"{url}/classify", files={"file": ("a.jpg", photo_bytes("chelsea", "JPEG"))})
         assert r.status_code == 200
+
+
+def test_jpegs_decoded_on_the_gpu_answer_as_pillow_decoded_ones():
+    pytest.importorskip("cupy", reason="GPU decoding needs CuPy (the `gpu` extra)")
+    pytest.importorskip("nvidia.nvimgcodec", reason="GPU decoding needs nvImageCodec (the `gpu` extra)")
+    from repository import read_entry
+    from service.gpu_decode import GpuDecoder
+    from service_process import model_pixels
+
+    entry = read_entry(REPO / "shapes-vit")
+    names = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry", "hubble_deep_field")
+    jpegs = [photo_bytes(name, "JPEG", quality=90) for name in names]
+
+    def refuse(data):
+        raise AssertionError("nvImageCodec refused a plain JPEG")
+
+    decoded, errors = GpuDecoder(entry.policy).decode(jpegs, refuse)
+    assert errors == {} and decoded.shape == (len(jpegs), 96, 96, 3)
+    on_cpu = np.stack([model_pixels(REPO / "shapes-vit", data) for data in jpegs])
+    # full-size decode + resize against Pillow's draft-mode decode: close pixels, not identical ones
+    difference = np.abs(decoded.get().astype(int) - on_cpu)
+    print(f"GPU vs Pillow pixels: mean |diff| {difference.mean():.2f}, max {difference.max()}")
+    assert difference.mean() < 4
+    inputs = (entry.manifest["input"]["name"], entry.manifest["tensor_input"]["name"])
+    runner = Runner(entry.path(), inputs, [CUDA])
+    no_tensors = np.zeros((0, 3, 96, 96), np.float32)
+    gpu, cpu = runner.run(decoded, no_tensors)["logits"], runner.run(on_cpu, no_tensors)["logits"]
+    print(f"GPU vs Pillow logits: max |diff| {np.abs(gpu - cpu).max():.3f}")
+    assert (gpu.argmax(1) == cpu.argmax(1)).all()
+
+
+def test_the_service_decodes_jpegs_on_the_gpu_where_it_can():
+    pytest.importorskip("cupy", reason="GPU decoding needs CuPy (the `gpu` extra)")
+    pytest.importorskip("nvidia.nvimgcodec", reason="GPU decoding needs nvImageCodec (the `gpu` extra)")
+    with running_service() as url:
+        models = {m["name"]: m for m in httpx.get(f"{url}/models").json()["models"]}
+        assert models["shapes-vit"]["decode"] == "gpu" and models["shapes-vit-int8"]["decode"] == "cpu"
+        files = [("files", (f"{i}.jpg", photo_bytes("chelsea", "JPEG"))) for i in range(8)]
+        r = httpx.post(f"{url}/classify", files=files, params={"model": "shapes-vit"})
+        assert r.status_code == 200 and len({json.dumps(x["predictions"]) for x in r.json()["results"]}) == 1

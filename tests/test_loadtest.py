@@ -131,8 +131,8 @@ def test_several_files_per_request_are_all_served_and_counted_as_images(url):
 
 def test_two_client_processes_count_one_window_together(url):
     before = served_images(url)
-    result = run_level_processes(url, [CHELSEA, COFFEE], {"model": MODEL}, concurrency=3, duration=1.0, processes=2,
-                                 warmup=0.5, files_per_request=2)
+    sender = (classify_requests, ([CHELSEA, COFFEE], {"model": MODEL}, 2))
+    result = run_level_processes(url, sender, concurrency=3, duration=1.0, processes=2, warmup=0.5, files_per_request=2)
     served = served_images(url) - before
     assert result.failures == {} and 0 < result.images == 2 * result.requests <= served
     assert result.concurrency == 3 and result.latency_ms.keys() == {"p50", "p90", "p95", "p99", "mean"}
@@ -154,3 +154,13 @@ def test_load_tester_command_line_reports_every_level_as_a_table_json_and_a_plot
                and lv["client_cpu_s"] > 0 and lv["client_cores"] > 0 and lv["client_bound"] in (True, False)
                for lv in levels)
     assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "UINT8"])
+def test_load_tester_drives_the_v2_route_with_tensors_of_the_models_input(url, tmp_path, datatype):
+    before = served_images(url)
+    loadtest_main(["--url", url, "--model", MODEL, "--v2", datatype, "--concurrency", "2", "--duration", "1",
+                   "--files-per-request", "3", "--json", str(tmp_path / "load.json")])
+    (level,) = json.loads((tmp_path / "load.json").read_text())
+    assert level["failures"] == {} and level["images"] == 3 * level["requests"] > 0
+    assert served_images(url) - before >= level["images"]

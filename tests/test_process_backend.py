@@ -25,7 +25,8 @@ JPEG, PNG = photo_bytes("chelsea", "JPEG"), photo_bytes("astronaut", "PNG")
 
 
 def test_workers_share_one_inference_process_its_batches_and_its_attention_results(tmp_path):
-    settings = Settings(model_repository=REPO, queue_limit=8, max_files=8, max_batch_size=8, warmup_runs=0)
+    settings = Settings(model_repository=REPO, queue_limit=8, max_files=8, max_batch_size=8, warmup_runs=0,
+                        max_queue_delay_ms=50)
     pixels = np.stack([model_pixels(REPO / "shapes-deit", data) for data in (JPEG, PNG)])
     want = run_graph(REPO / "shapes-deit" / "model.onnx", pixels)
 
@@ -41,11 +42,20 @@ def test_workers_share_one_inference_process_its_batches_and_its_attention_resul
             assert all(s.ready and s.provider == "CPUExecutionProvider" for s in second.status().values())
             with first.records("shapes-deit", "image", 2) as a, second.records("shapes-deit", "image", 1) as b:
                 a["image"], b["image"] = pixels, pixels[1:]
-                await asyncio.gather(first.run("shapes-deit", a, 3), second.run("shapes-deit", b, 3))
+                with second.preparing("shapes-deit"):  # the second worker is decoding: a's batch waits for it
+                    await asyncio.sleep(0.005)
+                    waits = asyncio.create_task(first.run("shapes-deit", a, 3))
+                    await asyncio.sleep(0.01)
+                    await second.run("shapes-deit", b, 3)
+                await waits
                 np.testing.assert_allclose(a["logits"], want[0], atol=1e-5)  # written back in shared memory
                 np.testing.assert_allclose(b["dist_attention"][0], want[2][1], atol=1e-6)
                 assert a["batch_size"].tolist() == [3, 3] and b["batch_size"][0] == 3  # one batch across workers
-                assert a["top_index"][0, :3].tolist() == np.argsort(-want[0][0])[:3].tolist()
+                assert a["queue_ms"][0] >= 10 and a["top_index"][0, :3].tolist() == np.argsort(-want[0][0])[:3].tolist()
+            with second.records("shapes-deit", "image", 1) as alone:
+                alone["image"] = pixels[0]
+                await second.run("shapes-deit", alone, 1)
+                assert alone["batch_size"][0] == 1 and alone["queue_ms"][0] < 25  # nobody decoding: no wait
             with (first.records("shapes-deit", "image", 8) as running,
                   first.records("shapes-deit", "image", 8) as queued,
                   second.records("shapes-deit", "image", 1) as refused):

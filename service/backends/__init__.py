@@ -27,6 +27,7 @@ class ModelStatus:
     provider: str | None = None
     precision: str | None = None  # what runs: an fp32 model with an fp16 sibling runs in fp16 on CUDA
     graph: str | None = None  # the model whose model.onnx runs for this name
+    decode: str = "cpu"  # "gpu" where JPEGs can be sent undecoded, to be decoded with their batch on the GPU
 
 
 class Backend(Protocol):
@@ -47,8 +48,9 @@ class Backend(Protocol):
     def preparing(self, model: str) -> AbstractContextManager[None]:
         """Around decoding images that will run on `model` (the batcher may wait for them)."""
 
-    async def run(self, model: str, records: np.ndarray, top_k: int) -> None:
-        """Batch, run and unbatch: results are in the records when it returns. Overloaded: Unavailable."""
+    async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None) -> None:
+        """Batch, run and unbatch: results are in the records when it returns (for "jpeg" records, `jpegs` holds
+        their bytes). Overloaded: Unavailable."""
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         """Every layer's attention probabilities for one uint8 [H, W, 3] input (the explain graph)."""

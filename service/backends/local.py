@@ -17,9 +17,10 @@ from repository import ModelEntry, servable, verify_file
 
 from ..batching import Batcher, QueueFull
 from ..cache import AttentionCache, AttentionRecord
+from ..decode import decode, model_input
 from ..errors import BadInput, NotFound, overloaded
 from ..metrics import Metrics
-from ..records import Part, gather_inputs, record_dtype, write_results
+from ..records import Part, host_inputs, record_dtype, write_results
 from ..runtime import CUDA, Plan, Runner, choose_device, serving_plan
 from ..settings import Settings
 from . import ModelStatus
@@ -28,9 +29,8 @@ log = logging.getLogger("vitserve")
 
 
 class LocalBackend:
-    def __init__(self, settings: Settings, metrics: Metrics, sees_preparing: bool = True,
-                 on_status: Callable[[], None] = lambda: None):
-        self.settings, self.metrics, self.sees_preparing, self.on_status = settings, metrics, sees_preparing, on_status
+    def __init__(self, settings: Settings, metrics: Metrics, on_status: Callable[[], None] = lambda: None):
+        self.settings, self.metrics, self.on_status = settings, metrics, on_status
         entries, self.problems = servable(settings.model_repository)  # a missing repository fails here
         for name, problem in self.problems.items():
             log.error("not serving %s: %s", name, problem)
@@ -41,6 +41,7 @@ class LocalBackend:
         self.runners: dict[str, Runner] = {}  # by graph
         self.batchers: dict[str, Batcher] = {}  # by graph
         self._explainers: dict[str, Runner] = {}  # by graph, opened on first use
+        self.jpeg_decoders: dict[str, object] = {}  # by graph: GPU JPEG decoders (gpu_decode.py), where they work
         self.cache = AttentionCache(settings.attention_cache_items, settings.attention_cache_bytes,
                                     settings.attention_ttl_s)
         self.inference: ThreadPoolExecutor | None = None
@@ -68,17 +69,21 @@ class LocalBackend:
         graphs = {p.graph: p for p in self.plans.values() if not p.error}
         for graph, plan in graphs.items():
             names = [p.name for p in self.plans.values() if p.graph == graph and not p.error]
+            runner_entry = self._by_name[graph]
             try:
-                runner = await loop.run_in_executor(self.inference, self._open, self._by_name[graph], plan)
+                runner = await loop.run_in_executor(self.inference, self._open, runner_entry, plan)
             except Exception as e:  # one broken model must not keep the others from serving
                 for name in names:
                     self._fail(name, str(e))
                 continue
             self.runners[graph] = runner
+            if runner.provider == CUDA and self.settings.gpu_decode:
+                from ..gpu_decode import gpu_decoder  # CuPy and nvImageCodec stay unimported on a CPU host
+                if (decoder := await loop.run_in_executor(self.inference, gpu_decoder, runner_entry.policy)):
+                    self.use_jpeg_decoder(graph, decoder)
             self.batchers[graph] = Batcher(
                 graph, self._run_batch(graph), self.inference, self.metrics, self.settings.max_batch_size,
-                self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency,
-                self.sees_preparing)
+                self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency)
             self.batchers[graph].start()
             for name in names:
                 self._ready(name, runner.provider)
@@ -95,9 +100,19 @@ class LocalBackend:
         log.debug("%s warmed up in %.2fs", entry.name, time.perf_counter() - start)
         return runner
 
+    def use_jpeg_decoder(self, graph: str, decoder) -> None:
+        """JPEGs for this graph's models are sent undecoded and decoded with their batch by `decoder`
+        (gpu_decode.GpuDecoder's interface)."""
+        self.jpeg_decoders[graph] = decoder
+        for name, plan in self.plans.items():
+            if plan.graph == graph and self._status[name].ready:
+                self._status[name].decode = "gpu"
+        self.on_status()
+
     def _ready(self, name: str, provider: str) -> None:
         plan, entry = self.plans[name], self._by_name[name]
-        self._status[name] = ModelStatus(True, None, provider, plan.precision, plan.graph)
+        decode_on = "gpu" if plan.graph in self.jpeg_decoders else "cpu"
+        self._status[name] = ModelStatus(True, None, provider, plan.precision, plan.graph, decode_on)
         self.metrics.ready.labels(name).set(1)
         self.metrics.model_info.labels(name, entry.manifest["architecture"], entry.task, plan.precision,
                                        provider).set(1)
@@ -111,10 +126,12 @@ class LocalBackend:
         self.on_status()
 
     def _run_batch(self, graph: str):
-        runner, size = self.runners[graph], self._by_name[graph].policy.size
+        runner, policy = self.runners[graph], self._by_name[graph].policy
 
         def run(parts: list[Part], queue_ms: list[float]) -> float:
-            images, tensors = gather_inputs(parts, size)
+            images, tensors = host_inputs(parts, policy.size)
+            if jpegs := [p for p in parts if p.kind == "jpeg"]:
+                images = self._decode_jpegs(graph, jpegs, images)
             start = time.perf_counter()
             outputs = runner.run(images, tensors)
             elapsed = time.perf_counter() - start
@@ -122,6 +139,18 @@ class LocalBackend:
             return elapsed
 
         return run
+
+    def _decode_jpegs(self, graph: str, parts: list[Part], host_images: np.ndarray):
+        """The "jpeg" parts decoded on the GPU, followed by the host images: the batch's images, on the device. A
+        JPEG that neither nvImageCodec nor Pillow can read fails its own request only."""
+        decoder, policy = self.jpeg_decoders[graph], self._by_name[graph].policy
+        jpegs = [data for part in parts for data in part.jpegs]
+        owners = [part for part in parts for _ in part.jpegs]
+        decoded, errors = decoder.decode(jpegs, lambda data: model_input(
+            decode(data, policy.resize_short_side, self.settings.max_image_pixels).image, policy))
+        for i, error in errors.items():
+            owners[i].error = error
+        return decoder.join(decoded, host_images)
 
     async def close(self) -> None:
         if self._loading is not None:
@@ -151,9 +180,15 @@ class LocalBackend:
         batcher = self.batchers.get(self.plans[model].graph) if model in self.plans else None
         return batcher.preparing() if batcher is not None else nullcontext()
 
-    async def run(self, model: str, records: np.ndarray, top_k: int) -> None:
+    def expect(self, model: str, requests: int) -> None:
+        """What `preparing` does, for decoding that happens in another process."""
+        batcher = self.batchers.get(self.plans[model].graph) if model in self.plans else None
+        if batcher is not None:
+            batcher.expect(requests)
+
+    async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None) -> None:
         try:
-            future = self._batcher(model).submit(records, top_k)
+            future = self._batcher(model).submit(records, top_k, jpegs)
         except QueueFull as e:
             raise overloaded(str(e), self.settings.retry_after_s) from None
         await future

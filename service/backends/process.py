@@ -10,7 +10,7 @@ import logging
 import os
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from repository import ModelEntry
 
 from ..cache import AttentionRecord
 from ..errors import Unavailable, from_wire, overloaded
-from ..records import record_dtype
+from ..records import kind_of, record_dtype
 from ..settings import Settings
 from . import ModelStatus, wire
 from .arena import Arena
@@ -150,14 +150,24 @@ class ProcessBackend:
             del self._leases[records.ctypes.data]
             lease.release()
 
-    def preparing(self, model: str):
-        return nullcontext()  # the batcher is in another process: it waits up to the delay, as Triton's does
+    @contextmanager
+    def preparing(self, model: str) -> Iterator[None]:
+        """Tells the inference process's batcher, so that a partial batch may wait for these images."""
+        self._tell_preparing(model, 1)
+        try:
+            yield
+        finally:
+            self._tell_preparing(model, -1)
 
-    async def run(self, model: str, records: np.ndarray, top_k: int) -> None:
+    def _tell_preparing(self, model: str, requests: int) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(wire.pack({"op": "preparing", "model": model, "requests": requests}))
+
+    async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None) -> None:
         lease = self._leases[records.ctypes.data]
-        kind = "image" if "image" in records.dtype.names else "tensor"
-        await self._ask({"op": "run", "model": model, "kind": kind, "arena": lease.arena.path.name,
-                         "start": lease.start, "count": lease.n, "top_k": top_k}, lease=lease)
+        arrays = {f"jpeg/{i}": np.frombuffer(data, np.uint8) for i, data in enumerate(jpegs or [])}
+        await self._ask({"op": "run", "model": model, "kind": kind_of(records), "arena": lease.arena.path.name,
+                         "start": lease.start, "count": lease.n, "top_k": top_k}, arrays, lease=lease)
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         _, arrays = await self._ask({"op": "explain", "model": model}, {"image": image})

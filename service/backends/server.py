@@ -9,6 +9,7 @@ workers have drained) stops it; SIGINT is left to the supervisor.
 """
 import asyncio
 import dataclasses
+import gc
 import logging
 import signal
 from pathlib import Path
@@ -29,7 +30,7 @@ log = logging.getLogger("vitserve")
 class InferenceServer:
     def __init__(self, settings: Settings, socket_path: Path):
         self.settings, self.socket_path = settings, socket_path
-        self.backend = LocalBackend(settings, Metrics(), sees_preparing=False, on_status=self._push_status)
+        self.backend = LocalBackend(settings, Metrics(), on_status=self._push_status)
         self.entries = {e.name: e for e in self.backend.entries}
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -45,6 +46,8 @@ class InferenceServer:
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve the workers until `stop` is set, then finish what they wait for."""
         await self.backend.start()
+        gc.freeze()  # as the HTTP workers do (app.py): start-up's objects out of the collector's way
+        gc.set_threshold(50_000)
         server = await asyncio.start_unix_server(self._connection, self.socket_path)
         log.info("inference process ready for workers at %s", self.socket_path)
         await stop.wait()
@@ -59,9 +62,14 @@ class InferenceServer:
                                 **self._status_message()}))
         self._writers.add(writer)
         mine: set[asyncio.Task] = set()
+        preparing: dict[str, int] = {}  # by model: requests this worker is decoding
         try:
             while True:
                 message, arrays = await wire.receive(reader)
+                if message["op"] == "preparing":  # no answer: partial batches may wait for these images
+                    preparing[message["model"]] = preparing.get(message["model"], 0) + message["requests"]
+                    self.backend.expect(message["model"], message["requests"])
+                    continue
                 task = asyncio.create_task(self._answer(message, arrays, arenas, writer))
                 for tasks in (self._tasks, mine):
                     tasks.add(task)
@@ -70,6 +78,8 @@ class InferenceServer:
             pass  # the worker has gone: its queued requests are abandoned
         finally:
             self._writers.discard(writer)
+            for model, requests in preparing.items():
+                self.backend.expect(model, -requests)
             for task in mine:
                 task.cancel()
             writer.close()
@@ -95,8 +105,9 @@ class InferenceServer:
                 dtype = record_dtype(self.entries[message["model"]], message["kind"])
                 path = self.socket_path.parent / key
                 arenas[key] = map_records(path, dtype, path.stat().st_size // dtype.itemsize)
-            start = message["start"]
-            await backend.run(message["model"], arenas[key][start:start + message["count"]], message["top_k"])
+            start, count = message["start"], message["count"]
+            jpegs = [arrays[f"jpeg/{i}"].tobytes() for i in range(count)] if message["kind"] == "jpeg" else None
+            await backend.run(message["model"], arenas[key][start:start + count], message["top_k"], jpegs)
             return {}, {}
         if op == "explain":
             layers = await backend.explain(message["model"], arrays["image"])

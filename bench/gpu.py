@@ -1,0 +1,259 @@
+"""The GPU baseline (../shared/gpu/README.md) reproduced: graphs, the service, and image decoding, with the
+service's figures divided by the raw session's.
+
+    python bench/gpu.py                                  # everything this host can run
+    python bench/gpu.py --models deit_tiny_patch16_224 --batches 64 256 --parts graphs
+
+graphs:  images/s of each model at each batch, the variants alternating round by round (medians):
+         ORT fp32/fp16 "dev" (input and outputs resident on the GPU, IOBinding with OrtValues), the service's
+         `Runner` (numpy in, outputs copied back), the project's PyTorch model (fp16 eager on CUDA), timm with AMP
+         and channels_last if it imports. Without CUDA: ORT fp32 on the CPU, Runner, PyTorch fp32.
+service: `python -m service` (the backend it picks for this host) on the first model, with its fp16 sibling
+         on CUDA; /classify with 451 x 300 JPEGs (1 and 8 per request) and /v2 (FP32 and UINT8 tensors, binary
+         outputs) at each client count, the clients spread over several processes; images/s, p50/p99, and the
+         service's figure divided by the raw session's at the service's max batch size.
+decode:  Pillow (draft + resize, the service's CPU path) on a thread per core, against nvImageCodec decoding
+         batches of 64 on the GPU plus the service's GPU resize, on a 451 x 300 and a 1920 x 1080 JPEG.
+What cannot run here (no CUDA, no timm, no nvImageCodec) is named, not silently left out. Models are exported
+once, random-init, into --cache.
+"""
+import argparse
+import io
+import os
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from PIL import Image
+from skimage import data as photos
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+from repository import InputPolicy, read_entry  # noqa: E402
+from service.decode import decode, model_input  # noqa: E402
+from service.loadtest import classify_requests, run_level_processes, v2_requests  # noqa: E402
+from service.runtime import CPU, CUDA, Runner, choose_device  # noqa: E402
+from service_process import running_service  # noqa: E402
+
+CUDA_MODELS = ["deit_tiny_patch16_224", "deit_small_patch16_224", "vit_base_patch16_224",
+               "swin_tiny_patch4_window7_224"]
+skipped: list[str] = []
+
+
+def export(cache: Path, model: str, precision: str = "fp32") -> Path:
+    """The model's repository folder, exported once (random-init weights: speed does not depend on them)."""
+    name = model if precision == "fp32" else f"{model}-{precision}"
+    if not (cache / name / "manifest.json").exists():
+        from export.__main__ import main as export_main
+        export_main([model, "--random-init", "--no-explain", "--precision", precision, "--out", str(cache)])
+    return cache / name
+
+
+def median_rates(calls: dict, batch: int, rounds: int, seconds: float) -> dict[str, float]:
+    """images/s of each call (one batch each), the calls in a new order every round; medians over rounds."""
+    for call in calls.values():
+        call()
+    rates = {k: [] for k in calls}
+    for _ in range(rounds):
+        for k in random.sample(list(calls), len(calls)):
+            done, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds / len(calls):
+                calls[k]()
+                done += batch
+            rates[k].append(done / (time.perf_counter() - start))
+    return {k: statistics.median(v) for k, v in rates.items()}
+
+
+def ort_on_device(folder: Path, batch: int):
+    """One run with the uint8 input and every output resident on the GPU."""
+    entry = read_entry(folder)
+    session = ort.InferenceSession(str(entry.path()), providers=[CUDA])
+    h, w = entry.policy.size
+    binding = session.io_binding()
+    images = ort.OrtValue.ortvalue_from_numpy(np.zeros((batch, h, w, 3), np.uint8), "cuda", 0)
+    binding.bind_ortvalue_input(entry.manifest["input"]["name"], images)
+    binding.bind_cpu_input(entry.manifest["tensor_input"]["name"], np.zeros((0, 3, h, w), np.float32))
+    for output in session.get_outputs():
+        binding.bind_output(output.name, "cuda")
+    return lambda: session.run_with_iobinding(binding)
+
+
+def runner(folder: Path, batch: int, device: str):
+    entry = read_entry(folder)
+    h, w = entry.policy.size
+    run = Runner(entry.path(), (entry.manifest["input"]["name"], entry.manifest["tensor_input"]["name"]), [device])
+    images, tensors = np.zeros((batch, h, w, 3), np.uint8), np.zeros((0, 3, h, w), np.float32)
+    return lambda: run.run(images, tensors)
+
+
+def torch_model(model: str, batch: int, cuda: bool):
+    import torch
+
+    from models import create_model
+    net = create_model(model).eval()
+    size = net.spec.img_size
+    x = torch.randn(batch, 3, size, size)
+    if cuda:
+        net, x = net.half().cuda(), x.half().cuda()
+
+    def run() -> None:
+        with torch.inference_mode():
+            net(x)
+        if cuda:
+            torch.cuda.synchronize()
+
+    return run
+
+
+def timm_amp(model: str, batch: int):
+    import timm
+    import torch
+    net = timm.create_model(model).eval().cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+
+    def run() -> None:
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16):
+            net(x)
+        torch.cuda.synchronize()
+
+    return run
+
+
+def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, rounds: int, seconds: float) -> dict:
+    try:
+        import timm  # noqa: F401
+        has_timm = cuda
+    except ImportError:
+        has_timm = False
+        skipped.append("timm AMP: timm does not import here")
+    raw = {}
+    print(f"\ngraphs: images/s, medians of {rounds} rounds" + ("" if cuda else " (no CUDA: CPU, fp32)"))
+    for model in models:
+        fp32 = export(cache, model)
+        fp16 = export(cache, model, "fp16") if cuda else None
+        for batch in batches:
+            if cuda:
+                calls = {"ORT fp32 dev": ort_on_device(fp32, batch), "ORT fp16 dev": ort_on_device(fp16, batch),
+                         "Runner fp16": runner(fp16, batch, CUDA), "torch fp16": torch_model(model, batch, True)}
+            else:
+                calls = {"ORT fp32": runner(fp32, batch, CPU), "torch fp32": torch_model(model, batch, False)}
+            if has_timm:
+                calls["timm AMP"] = timm_amp(model, batch)
+            rates = median_rates(calls, batch, rounds, seconds)
+            raw[model, batch] = rates["ORT fp16 dev" if cuda else "ORT fp32"]
+            torch_key = "torch fp16" if cuda else "torch fp32"
+            print(f"{model:<30} batch {batch:>4}: " + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items())
+                  + f"; ORT / torch {raw[model, batch] / rates[torch_key]:.2f}", flush=True)
+    return raw
+
+
+def jpeg(size: tuple[int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(photos.chelsea()).resize(size, Image.BICUBIC).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def service(model: str, cache: Path, cuda: bool, clients: list[int], seconds: float, raw: dict,
+            max_batch: int) -> None:
+    repo = export(cache, model).parent
+    if cuda:
+        export(cache, model, "fp16")
+    processes = max(1, min(8, (os.cpu_count() or 2) // 2))
+    photo = [("chelsea.jpg", jpeg((451, 300)))]
+    entry = read_entry(repo / model)
+    pixels = model_input(decode(photo[0][1], None, 10**9).image, entry.policy)
+    routes = {"/classify, 1 JPEG": ((classify_requests, (photo, {"model": model, "top_k": 1}, 1)), 1),
+              "/classify, 8 JPEGs": ((classify_requests, (photo, {"model": model, "top_k": 1}, 8)), 8),
+              "/v2 FP32": ((v2_requests, (model, entry.manifest["tensor_input"]["name"],
+                                          entry.policy.normalise(pixels[None]))), 1),
+              "/v2 UINT8": ((v2_requests, (model, entry.manifest["input"]["name"], pixels[None])), 1)}
+    reference = raw.get((model, max_batch))
+    print(f"\nservice: {model}, max batch {max_batch}, clients over {processes} processes; service / raw = images/s "
+          f"over the raw session's at batch {max_batch} ({f'{reference:,.0f}' if reference else 'not measured'})")
+    settings = {"model_repository": repo, "max_batch_size": max_batch, "queue_limit": 64 * max_batch,
+                "max_files": 64}
+    with running_service(**settings) as url:
+        for name, (sender, files) in routes.items():
+            for c in clients:
+                r = run_level_processes(url, sender, c, seconds, processes, files_per_request=files)
+                share = f"{r.images_per_s / reference:.0%}" if reference else "-"
+                lat = r.latency_ms or {"p50": float("nan"), "p99": float("nan")}
+                print(f"{name:<20} {c:>4} clients: {r.images_per_s:>9,.0f} images/s ({share} of raw), p50 "
+                      f"{lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms, client {r.client_cores:.1f} cores"
+                      + (", CLIENT-BOUND" if r.client_bound else "") + (f", failures {r.failures}" if r.failures
+                                                                        else ""), flush=True)
+
+
+def decoding(cuda: bool, policy: InputPolicy, copies: int = 256) -> None:
+    threads = os.cpu_count() or 1
+    print(f"\ndecode: images/s into the {policy.size[0]} px input, {copies} copies")
+    for size in ((451, 300), (1920, 1080)):
+        data = jpeg(size)
+        with ThreadPoolExecutor(threads) as pool:
+            start = time.perf_counter()
+            list(pool.map(lambda d: model_input(decode(d, policy.resize_short_side, 10**9).image, policy),
+                          [data] * copies))
+            pillow = copies / (time.perf_counter() - start)
+        line = f"{size[0]}x{size[1]} JPEG: Pillow draft+resize on {threads} threads {pillow:,.0f}"
+        gpu = gpu_decode_rate(data, policy, copies) if cuda else None
+        line += f", nvImageCodec batch 64 + GPU resize {gpu:,.0f}" if gpu else ""
+        print(line, flush=True)
+
+
+def gpu_decode_rate(data: bytes, policy: InputPolicy, copies: int) -> float | None:
+    try:
+        from service.gpu_decode import GpuDecoder
+        decoder = GpuDecoder(policy)
+    except (ImportError, RuntimeError) as e:
+        skipped.append(f"nvImageCodec decoding: {e}")
+        return None
+    decoder.decode([data] * 64)
+    start = time.perf_counter()
+    for _ in range(copies // 64):
+        decoder.decode([data] * 64)
+    return copies // 64 * 64 / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", help="default: DeiT-Ti, DeiT-S, ViT-B/16, Swin-T on CUDA; DeiT-Ti on CPU")
+    p.add_argument("--batches", nargs="+", type=int, help="default: 1 64 256 on CUDA, 1 16 on CPU")
+    p.add_argument("--clients", nargs="+", type=int, default=[64, 256])
+    parts = ["graphs", "service", "decode"]
+    p.add_argument("--parts", nargs="+", choices=parts, default=parts)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=5.0, help="per round (graphs) or level (service)")
+    p.add_argument("--cache", type=Path, default=ROOT / "build" / "bench" / "gpu")
+    args = p.parse_args()
+    probe = export(args.cache, (args.models or ["deit_tiny_patch16_224"])[0])
+    cuda = choose_device([read_entry(probe)], None) == CUDA
+    if not cuda:
+        skipped.append("everything on CUDA (fp16 graphs, ORT on device, torch fp16, timm AMP, nvImageCodec): "
+                       "the CUDA provider does not start here")
+    models = args.models or (CUDA_MODELS if cuda else ["deit_tiny_patch16_224"])
+    batches = args.batches or ([1, 64, 256] if cuda else [1, 16])
+    device = ort.get_device() + (f", {gpu_name()}" if cuda else f", {os.cpu_count()} CPU cores")
+    print(f"bench/gpu.py on {device}; onnxruntime {ort.__version__}")
+    raw = graphs(models, batches, args.cache, cuda, args.rounds, args.seconds) if "graphs" in args.parts else {}
+    if "service" in args.parts:
+        service(models[0], args.cache, cuda, args.clients, args.seconds, raw, max(batches))
+    if "decode" in args.parts:
+        decoding(cuda, read_entry(probe).policy)
+    for line in skipped:
+        print(f"skipped: {line}")
+
+
+def gpu_name() -> str:
+    import subprocess
+    return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+if __name__ == "__main__":
+    main()
