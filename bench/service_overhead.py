@@ -1,7 +1,10 @@
 """What the HTTP service costs on top of the bare ONNX Runtime session, per backend, in images/sec and CPU.
 
-    python bench/service_overhead.py                 # the embedded default model and a full-size DeiT-S
+    python bench/service_overhead.py                 # the null graph, the embedded default model, a full-size DeiT-S
     python bench/service_overhead.py --models shapes-deit --backends thread process --seconds 5 --rounds 3
+
+null:        a graph with shapes-deit's inputs and outputs that computes next to nothing: the service's own CPU
+             per image, with no inference to share the cores with.
 
 raw(c):      one session (the server's thread settings) on batches of min(c, max batch size) uint8 images: what
              a server with zero overhead would reach with c clients, and its CPU ms per image.
@@ -35,13 +38,49 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 from service_process import metric, model_pixels, photo_bytes, process_metrics, running_service  # noqa: E402
 
-from repository import InputPolicy  # noqa: E402
+from repository import InputPolicy, sha256  # noqa: E402
 from service.decode import decode, model_input  # noqa: E402
 from service.loadtest import Send, classify_requests, run_level, v2_requests  # noqa: E402
 from service.runtime import CPU, Runner  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 MAX_BATCH = 16
+
+
+def null_repo(cache: Path) -> Path:
+    """A repository with `null`: shapes-deit's interface (inputs, outputs, manifest) over a graph that only
+    averages its inputs, so the service's CPU per image is its own."""
+    from onnx import TensorProto, helper, save_model
+
+    repo = cache / "null-repo"
+    if (repo / "null" / "manifest.json").exists():
+        return repo
+    (repo / "null").mkdir(parents=True)
+    manifest = json.loads((ROOT / "model_repository" / "shapes-deit" / "manifest.json").read_text())
+    axes = {"axes": [1, 2, 3], "one": [1], "two": [2], "logits_shape": [1, 6], "attention_shape": [1, 4, 144]}
+    node = helper.make_node
+    nodes = [node("Cast", ["images"], ["pixels"], to=TensorProto.FLOAT),
+             node("ReduceMean", ["pixels", "axes"], ["m1"], keepdims=0),
+             node("ReduceMean", ["pixel_values", "axes"], ["m2"], keepdims=0),
+             node("Concat", ["m1", "m2"], ["m"], axis=0), node("Unsqueeze", ["m", "one"], ["m_1"]),
+             node("Expand", ["m_1", "logits_shape"], ["logits"]), node("Unsqueeze", ["m_1", "two"], ["m_2"]),
+             node("Expand", ["m_2", "attention_shape"], ["cls_attention"]),
+             node("Expand", ["m_2", "attention_shape"], ["dist_attention"])]
+    tensor = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        nodes, "null", [tensor("images", TensorProto.UINT8, ["b1", 96, 96, 3]),
+                        tensor("pixel_values", TensorProto.FLOAT, ["b2", 3, 96, 96])],
+        [tensor("logits", TensorProto.FLOAT, ["b", 6]), tensor("cls_attention", TensorProto.FLOAT, ["b", 4, 144]),
+         tensor("dist_attention", TensorProto.FLOAT, ["b", 4, 144])],
+        [helper.make_tensor(k, TensorProto.INT64, [len(v)], v) for k, v in axes.items()])
+    save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10),
+               repo / "null" / "model.onnx")
+    manifest["attention"].pop("explain_outputs", None)
+    graph_file = repo / "null" / "model.onnx"
+    manifest |= {"name": "null", "files": {"model": {"path": "model.onnx", "sha256": sha256(graph_file),
+                                                     "bytes": graph_file.stat().st_size}}}
+    (repo / "null" / "manifest.json").write_text(json.dumps(manifest))
+    return repo
 
 
 def full_size_repo(cache: Path) -> Path:
@@ -116,7 +155,7 @@ def measure(repo: Path, model: str, backends: list[str], levels: list[int], roun
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["shapes-deit", "deit_small_patch16_224"])
+    p.add_argument("--models", nargs="+", default=["null", "shapes-deit", "deit_small_patch16_224"])
     p.add_argument("--backends", nargs="+", default=["thread", "process"], choices=["thread", "process"])
     p.add_argument("--levels", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=3)
@@ -130,7 +169,8 @@ def main() -> None:
     print(f"{'model':<22} {'backend':<8} {'clients':>7} {'raw img/s':>9} {'v2 img/s':>14} {'classify img/s':>15} "
           f"| CPU ms/img: {'raw':>5} {'v2':>5} {'beyond':>6} {'classify':>8} {'decode':>6} {'beyond':>6} {'client':>6}")
     for model in args.models:
-        repo = args.repository if (args.repository / model).is_dir() else full_size_repo(args.cache)
+        repo = (null_repo(args.cache) if model == "null" else args.repository if (args.repository / model).is_dir()
+                else full_size_repo(args.cache))
         for r in measure(repo, model, args.backends, args.levels, args.rounds, args.seconds):
             print(f"{r['model']:<22} {r['backend']:<8} {r['concurrency']:>7} {r['raw']:>9.1f} "
                   f"{r['v2_images_per_s']:>7.1f} ({r['v2_images_per_s'] / r['raw']:>4.0%}) "

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
             backend = "process" if probe_device(settings) == CUDA else "thread"
             log.info("backend: %s", backend)
         if backend == "process":
-            from .backends.supervisor import serve
+            from .supervisor import serve
             servable(settings.model_repository)  # a broken repository fails before any process starts
             sys.exit(serve(settings, args.log_level))
         from .app import create_app

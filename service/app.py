@@ -46,14 +46,16 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
 
     app = FastAPI(
         title="vitserve", version="0.1.0", lifespan=lifespan,
+        # FastAPI's OpenTelemetry hooks ask for providers on every request; /metrics is Prometheus here
+        telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
         description="Vision Transformer inference on ONNX Runtime: classification, facial expressions and "
                     "attention maps, with dynamic batching. Errors are JSON: "
                     '`{"error": {"code": ..., "message": ...}}`.',
     )
     app.state.settings, app.state.metrics, app.state.pipelines = settings, metrics, pipelines
     http_errors.install(app)
-    for router in (classify.router, expression.router, attention.router, models.router, health.router,
-                   kserve.router):
+    # the busiest routes first: routes are matched in order
+    for router in (classify.router, kserve.router, expression.router, attention.router, models.router, health.router):
         app.include_router(router)
 
     @app.get("/", include_in_schema=False)

@@ -335,7 +335,7 @@ def test_service_imports_neither_torch_nor_models_nor_export():
     for path, name in imported_names(ROOT / "service"):
         assert name not in ("torch", "models", "export"), f"{path}: {name}"
     # and at run time, the whole app and its server entry points load without them
-    assert loaded_after("import service.app, service.__main__, service.ray_serve, service.backends.supervisor",
+    assert loaded_after("import service.app, service.__main__, service.ray_serve, service.supervisor",
                         ("torch", "models", "export")) == []
 
 

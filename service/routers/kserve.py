@@ -9,6 +9,7 @@ Outputs (logits and attention outputs) come back as JSON, or as binary where the
 (`binary_data` per output, or `binary_data_output` for all): then no float is formatted as text.
 """
 import json
+from functools import cache
 from importlib.metadata import version
 
 import numpy as np
@@ -34,51 +35,7 @@ def _model(request: Request, name: str, version_: str | None = None) -> Pipeline
     return pipelines.pipelines[name]
 
 
-@router.get("", summary="Server metadata")
-async def server_metadata() -> dict:
-    return {"name": "vitserve", "version": version("vitserve"), "extensions": ["binary_tensor_data"]}
-
-
-@router.get("/health/live")
-async def live() -> dict:
-    return {"live": True}
-
-
-@router.get("/health/ready")
-async def ready(request: Request) -> dict:
-    if not _pipelines(request).ready:
-        raise BadInput("the server is still loading its models", "not_ready")  # v2: 4xx means false
-    return {"ready": True}
-
-
-def model_metadata(pipeline: Pipeline) -> dict:
-    """The model's inputs (send one of them) and outputs."""
-    m = pipeline.entry.manifest
-    h, w = m["input"]["size"]
-    return {
-        "name": pipeline.name, "versions": ["1"], "platform": "onnxruntime_onnx",
-        "inputs": [{"name": m["tensor_input"]["name"], "datatype": "FP32", "shape": [-1, 3, h, w]},
-                   {"name": m["input"]["name"], "datatype": "UINT8", "shape": [-1, h, w, 3]}],
-        "outputs": [{"name": o["name"], "datatype": "FP32", "shape": [-1 if d == "batch" else d for d in o["shape"]]}
-                    for o in m["outputs"]],
-    }
-
-
-@router.get("/models/{name}")
-@router.get("/models/{name}/versions/{version_}")
-async def metadata(request: Request, name: str, version_: str | None = None) -> dict:
-    return model_metadata(_model(request, name, version_))
-
-
-@router.get("/models/{name}/ready")
-@router.get("/models/{name}/versions/{version_}/ready")
-async def model_ready(request: Request, name: str, version_: str | None = None) -> dict:
-    status = _pipelines(request).backend.status()[_model(request, name, version_).name]
-    if not status.ready:
-        raise BadInput(f"{name} is not ready" + (f": {status.error}" if status.error else ""), "not_ready")
-    return {"name": name, "ready": True}
-
-
+# the inference route first: routes are matched in order, and this one carries the load
 def parse_request(body: bytes, header_length: str | None, inputs: list[dict]) -> tuple[dict, np.ndarray]:
     """The request's JSON header and its one input batch, checked against the model's `inputs` (metadata)."""
     json_end = int(header_length) if header_length else len(body)
@@ -143,3 +100,49 @@ async def infer(request: Request, name: str, version_: str | None = None) -> Res
                                   model_metadata(pipeline)["inputs"])
     out = await pipeline.tensors(batch)
     return build_response(pipeline, header, {k: out.fields[k] for k in output_names(pipeline.entry)})
+
+
+@router.get("", summary="Server metadata")
+async def server_metadata() -> dict:
+    return {"name": "vitserve", "version": version("vitserve"), "extensions": ["binary_tensor_data"]}
+
+
+@router.get("/health/live")
+async def live() -> dict:
+    return {"live": True}
+
+
+@router.get("/health/ready")
+async def ready(request: Request) -> dict:
+    if not _pipelines(request).ready:
+        raise BadInput("the server is still loading its models", "not_ready")  # v2: 4xx means false
+    return {"ready": True}
+
+
+@cache  # read on every infer request; the same for the pipeline's lifetime
+def model_metadata(pipeline: Pipeline) -> dict:
+    """The model's inputs (send one of them) and outputs."""
+    m = pipeline.entry.manifest
+    h, w = m["input"]["size"]
+    return {
+        "name": pipeline.name, "versions": ["1"], "platform": "onnxruntime_onnx",
+        "inputs": [{"name": m["tensor_input"]["name"], "datatype": "FP32", "shape": [-1, 3, h, w]},
+                   {"name": m["input"]["name"], "datatype": "UINT8", "shape": [-1, h, w, 3]}],
+        "outputs": [{"name": o["name"], "datatype": "FP32", "shape": [-1 if d == "batch" else d for d in o["shape"]]}
+                    for o in m["outputs"]],
+    }
+
+
+@router.get("/models/{name}")
+@router.get("/models/{name}/versions/{version_}")
+async def metadata(request: Request, name: str, version_: str | None = None) -> dict:
+    return model_metadata(_model(request, name, version_))
+
+
+@router.get("/models/{name}/ready")
+@router.get("/models/{name}/versions/{version_}/ready")
+async def model_ready(request: Request, name: str, version_: str | None = None) -> dict:
+    status = _pipelines(request).backend.status()[_model(request, name, version_).name]
+    if not status.ready:
+        raise BadInput(f"{name} is not ready" + (f": {status.error}" if status.error else ""), "not_ready")
+    return {"name": name, "ready": True}

@@ -16,9 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import uvicorn
 from prometheus_client import multiprocess
 
-from ..settings import Settings
+from .app import create_app
+from .backends import server
+from .backends.process import ProcessBackend
+from .settings import Settings
 
 log = logging.getLogger("vitserve")
 
@@ -40,11 +44,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 def worker_main(settings: Settings, sock: socket.socket, socket_path: Path, log_level: str) -> None:
     """One HTTP worker (multiprocessing, spawn): the whole app over a ProcessBackend."""
-    import uvicorn
-
-    from ..app import create_app
-    from .process import ProcessBackend
-
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s worker %(process)d: %(message)s")
     app = create_app(settings, ProcessBackend(settings, socket_path))
     config = uvicorn.Config(app, log_level=log_level, access_log=False,
@@ -59,8 +58,7 @@ def worker_count(settings: Settings) -> int:
 
 def serve(settings: Settings, log_level: str = "info") -> int:
     """Run until SIGTERM/SIGINT; the exit status (1 if the inference process failed)."""
-    from . import server
-
+    sock = bind(settings.host, settings.port)  # a port in use fails here, before any process starts
     folder = runtime_folder()
     (folder / "metrics").mkdir()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder / "metrics")  # inherited by every process started below
@@ -76,7 +74,6 @@ def serve(settings: Settings, log_level: str = "info") -> int:
     signal.signal(signal.SIGINT, stop)
     inference = context.Process(target=server.main, args=(settings, socket_path, log_level), name="vitserve-inference")
     inference.start()
-    sock = bind(settings.host, settings.port)
 
     def start_worker() -> multiprocessing.Process:
         worker = context.Process(target=worker_main, args=(settings, sock, socket_path, log_level),

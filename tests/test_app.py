@@ -1,0 +1,97 @@
+"""The HTTP layer in this process: create_app takes a backend, so routes, errors and limits are tested without a
+server process, over the real LocalBackend or over a backend that misbehaves on purpose."""
+import asyncio
+from contextlib import contextmanager
+
+import httpx
+import numpy as np
+import pytest
+from service_process import ROOT, direct_probabilities, photo_bytes
+
+from repository import scan
+from service.app import create_app
+from service.backends import ModelStatus
+from service.backends.local import LocalBackend
+from service.errors import overloaded
+from service.metrics import Metrics
+from service.records import record_dtype
+from service.settings import Settings
+
+REPO = ROOT / "model_repository"
+JPEG = photo_bytes("chelsea", "JPEG")
+
+
+async def call(app, requests):
+    """Each (method, path, kwargs) through the app in this process, start-up and shut-down included."""
+    async with app.router.lifespan_context(app):
+        await app.state.pipelines.backend.loaded()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://vitserve") as client:
+            return await asyncio.gather(*(client.request(method, path, **kw) for method, path, kw in requests))
+
+
+def test_the_app_over_a_local_backend_in_this_process():
+    settings = Settings(model_repository=REPO, warmup_runs=0)
+    backend = LocalBackend(settings, Metrics())
+    app = create_app(settings, backend, metrics=Metrics())
+    three = [("files", (f"{i}.jpg", JPEG)) for i in range(3)]
+    classified, models, kept = asyncio.run(call(app, [
+        ("POST", "/classify", {"files": {"file": ("a.jpg", JPEG)}, "params": {"model": "shapes-vit", "top_k": 6}}),
+        ("GET", "/models", {}),
+        ("POST", "/classify", {"files": three, "params": {"model": "shapes-deit", "attention": "true"}})]))
+    got = {p["index"]: p["score"] for p in classified.json()["results"][0]["predictions"]}
+    np.testing.assert_allclose([got[i] for i in range(6)], direct_probabilities(REPO / "shapes-vit", JPEG), atol=1e-5)
+    assert {m["name"]: m["decode"] for m in models.json()["models"]}["shapes-vit"] == "cpu"
+    # each kept result owns its arrays (no views of the request's or the batch's rows): the cache's byte count
+    # is what it holds
+    records = [backend.cache.get(result["id"]) for result in kept.json()["results"]]
+    arrays = [a for r in records for a in (r.image, r.photo, *r.attention.values())]
+    assert len(records) == 3 and not any(isinstance(a.base, np.ndarray) for a in arrays)
+    assert backend.cache.nbytes == sum(a.nbytes for a in arrays)
+
+
+class Misbehaving:
+    """A backend over the real repository whose models are loading, refuse work, or never answer."""
+
+    def __init__(self, behaviour: str):
+        self.entries, self.problems = scan(REPO)
+        self.behaviour = behaviour
+
+    async def start(self) -> None:
+        pass
+
+    async def loaded(self) -> None:
+        pass
+
+    def status(self) -> dict[str, ModelStatus]:
+        ready = self.behaviour != "loading"
+        return {e.name: ModelStatus(ready=ready, provider="CPUExecutionProvider" if ready else None)
+                for e in self.entries}
+
+    @contextmanager
+    def records(self, model: str, kind: str, n: int):
+        yield np.zeros(n, record_dtype(next(e for e in self.entries if e.name == model), kind))
+
+    @contextmanager
+    def preparing(self, model: str):
+        yield
+
+    async def run(self, model, records, top_k, jpegs=None) -> None:
+        if self.behaviour == "overloaded":
+            raise overloaded("no room", 7)
+        await asyncio.sleep(3600)
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("behaviour,code,retry_after", [("loading", "model_loading", "1"),
+                                                        ("overloaded", "overloaded", "7"),
+                                                        ("silent", "overloaded", "1")])
+def test_a_backend_that_cannot_answer_gives_503_with_retry_after(behaviour, code, retry_after):
+    settings = Settings(model_repository=REPO, request_timeout_s=0.2)
+    app = create_app(settings, Misbehaving(behaviour), metrics=Metrics())
+    ready, classified = asyncio.run(call(app, [("GET", "/health/ready", {}),
+                                               ("POST", "/classify", {"files": {"file": ("a.jpg", JPEG)}})]))
+    assert ready.status_code == (503 if behaviour == "loading" else 200)
+    assert classified.status_code == 503 and classified.headers["Retry-After"] == retry_after
+    assert classified.json()["error"]["code"] == code
