@@ -81,9 +81,15 @@ def decode(data: bytes, min_short_side: int | None, max_pixels: int) -> Photo:
 
 
 def resize_and_crop(image: Image.Image, policy: InputPolicy) -> Image.Image:
-    """Short side to policy.resize_short_side (aspect kept), then the centre crop of the input size."""
-    resized = image.resize(policy.resized(*image.size), Image.Resampling[policy.interpolation.upper()])
-    return resized.crop(policy.crop(*image.size))
+    """Short side to policy.resize_short_side (aspect kept), then the centre crop of the input size: the
+    crop's region of the image resized alone, with the same filter positions as the whole (a third less work
+    on a landscape photo; within one level of resize-then-crop, where float rounding of the region's edges
+    differs)."""
+    width, height = image.size
+    (rw, rh), (left, top, right, bottom) = policy.resized(width, height), policy.crop(width, height)
+    sx, sy = width / rw, height / rh
+    return image.resize((right - left, bottom - top), Image.Resampling[policy.interpolation.upper()],
+                        box=(left * sx, top * sy, right * sx, bottom * sy))
 
 
 def model_input(image: Image.Image, policy: InputPolicy) -> np.ndarray:

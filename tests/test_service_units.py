@@ -39,12 +39,16 @@ def encode(image: Image.Image, fmt: str, **kw) -> bytes:
 
 # -- decoding and preprocessing --------------------------------------------------------------------------------
 
-def test_service_pixels_equal_the_training_side():
-    image = Image.fromarray(photos.chelsea())  # 451 x 300, not square: exercises resize and crop
-    want = training_preprocess(image, 96, 96 / 110, "bicubic").permute(1, 2, 0).numpy()
+@pytest.mark.parametrize("name", ["chelsea", "astronaut", "coffee", "rocket"])  # not square: resize and crop
+def test_service_pixels_equal_the_training_side(name):
+    image = Image.fromarray(getattr(photos, name)())
+    want = training_preprocess(image, 96, 96 / 110, "bicubic").permute(1, 2, 0).numpy().astype(int)
     got = model_input(image, POLICY)
     assert got.shape == (96, 96, 3) and got.dtype == np.uint8
-    np.testing.assert_array_equal(got, want)
+    # the service resizes the crop's region alone: the same filter positions, so off by one level at most, and
+    # rarely (float rounding of the region's edges)
+    difference = np.abs(got.astype(int) - want)
+    assert difference.max() <= 1 and (difference > 0).mean() < 0.005
 
 
 @pytest.mark.parametrize("name", ["shapes-vit", "shapes-deit", "shapes-swin", "expression-vit"])
