@@ -185,7 +185,7 @@ def service(model: str, cache: Path, cuda: bool, clients: list[int], seconds: fl
                 share = f"{r.images_per_s / reference:.0%}" if reference else "-"
                 lat = r.latency_ms or {"p50": float("nan"), "p99": float("nan")}
                 print(f"{name:<20} {c:>4} clients: {r.images_per_s:>9,.0f} images/s ({share} of raw), p50 "
-                      f"{lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms, client {r.client_cores:.1f} cores"
+                      f"{lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms, client {r.client_cores:.2f} cores"
                       + (", CLIENT-BOUND" if r.client_bound else "") + (f", failures {r.failures}" if r.failures
                                                                         else ""), flush=True)
 
@@ -238,7 +238,7 @@ def main() -> None:
                        "the CUDA provider does not start here")
     models = args.models or (CUDA_MODELS if cuda else ["deit_tiny_patch16_224"])
     batches = args.batches or ([1, 64, 256] if cuda else [1, 16])
-    device = ort.get_device() + (f", {gpu_name()}" if cuda else f", {os.cpu_count()} CPU cores")
+    device = gpu_name() if cuda else f"no usable GPU, {os.cpu_count()} CPU cores"
     print(f"bench/gpu.py on {device}; onnxruntime {ort.__version__}")
     raw = graphs(models, batches, args.cache, cuda, args.rounds, args.seconds) if "graphs" in args.parts else {}
     if "service" in args.parts:

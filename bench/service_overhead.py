@@ -12,6 +12,8 @@ v2(c):       c clients, each request one preprocessed image as an FP32 binary te
              encoding), logits back as binary: HTTP and batching, no image decoding.
 classify(c): c clients, each request one JPEG photo (chelsea, 451 x 300) to POST /classify: decoding and the
              multipart upload on top.
+x8(c):       the same photo, 8 per request, from c / 8 clients (at least one): the same images in flight, an
+             eighth of the requests.
 Per backend (`python -m service --backend thread|process`), all services running side by side, raw and HTTP
 measurements alternating round by round; figures are medians over rounds. The clients run on the same machine.
 CPU ms/img: the service's CPU time (process_cpu_seconds_total, all its processes) per image it ran; "beyond"
@@ -120,9 +122,9 @@ def counters(url: str, model: str) -> np.ndarray:
                      metric(text, "vitserve_images_total", model=model)])
 
 
-def http_level(url: str, model: str, send: Send, concurrency: int, seconds: float) -> dict:
+def http_level(url: str, model: str, send: Send, concurrency: int, seconds: float, files: int = 1) -> dict:
     before = counters(url, model)
-    images_per_s = asyncio.run(run_level(url, send, concurrency, seconds)).images_per_s
+    images_per_s = asyncio.run(run_level(url, send, concurrency, seconds, files_per_request=files)).images_per_s
     server, client, images = counters(url, model) - before
     return {"images_per_s": images_per_s, "server_ms": server / images * 1e3, "client_ms": client / images * 1e3}
 
@@ -131,8 +133,9 @@ def measure(repo: Path, model: str, backends: list[str], levels: list[int], roun
     manifest = json.loads((repo / model / "manifest.json").read_text())
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
     pixels, policy = model_pixels(repo / model, jpeg), InputPolicy.from_manifest(manifest["input"])
-    classify = classify_requests([("chelsea.jpg", jpeg)], {"model": model, "top_k": 1})
-    v2 = v2_requests(model, manifest["tensor_input"]["name"], policy.normalise(pixels[None]))
+    photo, params = [("chelsea.jpg", jpeg)], {"model": model, "top_k": 1}
+    routes = {"v2": (v2_requests(model, manifest["tensor_input"]["name"], policy.normalise(pixels[None])), 1),
+              "classify": (classify_requests(photo, params), 1), "x8": (classify_requests(photo, params, 8), 8)}
     rows = {(b, c): {} for b in backends for c in levels}
     with contextlib.ExitStack() as stack:
         urls = {b: stack.enter_context(running_service(model_repository=repo, max_batch_size=MAX_BATCH, warmup_runs=1,
@@ -144,8 +147,9 @@ def measure(repo: Path, model: str, backends: list[str], levels: list[int], roun
                 raw_per_s, raw_ms = raw_figures(runner, pixels, c, seconds)
                 for b in backends:
                     figures = {"raw": raw_per_s, "raw_ms": raw_ms, "decode_ms": decode_cpu_ms(jpeg, policy)}
-                    for route, send in (("v2", v2), ("classify", classify)):
-                        for k, v in http_level(urls[b], model, send, c, seconds).items():
+                    for route, (send, files) in routes.items():
+                        clients = max(1, c // files)
+                        for k, v in http_level(urls[b], model, send, clients, seconds, files).items():
                             figures[f"{route}_{k}"] = v
                     for k, v in figures.items():
                         rows[b, c].setdefault(k, []).append(v)
@@ -167,17 +171,19 @@ def main() -> None:
     print(f"CPU cores: {os.cpu_count()}, max batch {MAX_BATCH}, {args.rounds} rounds of {args.seconds:g}s, "
           f"process backend with 2 HTTP workers")
     print(f"{'model':<22} {'backend':<8} {'clients':>7} {'raw img/s':>9} {'v2 img/s':>14} {'classify img/s':>15} "
-          f"| CPU ms/img: {'raw':>5} {'v2':>5} {'beyond':>6} {'classify':>8} {'decode':>6} {'beyond':>6} {'client':>6}")
+          f"{'x8 img/s':>15} | CPU ms/img: {'raw':>5} {'v2':>5} {'beyond':>6} {'classify':>8} {'decode':>6} "
+          f"{'beyond':>6} {'x8':>5} {'client':>6}")
     for model in args.models:
         repo = (null_repo(args.cache) if model == "null" else args.repository if (args.repository / model).is_dir()
                 else full_size_repo(args.cache))
         for r in measure(repo, model, args.backends, args.levels, args.rounds, args.seconds):
             print(f"{r['model']:<22} {r['backend']:<8} {r['concurrency']:>7} {r['raw']:>9.1f} "
                   f"{r['v2_images_per_s']:>7.1f} ({r['v2_images_per_s'] / r['raw']:>4.0%}) "
-                  f"{r['classify_images_per_s']:>8.1f} ({r['classify_images_per_s'] / r['raw']:>4.0%}) | "
+                  f"{r['classify_images_per_s']:>8.1f} ({r['classify_images_per_s'] / r['raw']:>4.0%}) "
+                  f"{r['x8_images_per_s']:>8.1f} ({r['x8_images_per_s'] / r['raw']:>4.0%}) | "
                   f"{'':>11} {r['raw_ms']:>5.2f} {r['v2_server_ms']:>5.2f} {r['v2_server_ms'] - r['raw_ms']:>6.2f} "
                   f"{r['classify_server_ms']:>8.2f} {r['decode_ms']:>6.2f} "
-                  f"{r['classify_server_ms'] - r['raw_ms'] - r['decode_ms']:>6.2f} "
+                  f"{r['classify_server_ms'] - r['raw_ms'] - r['decode_ms']:>6.2f} {r['x8_server_ms']:>5.2f} "
                   f"{r['classify_client_ms']:>6.2f}", flush=True)
 
 
