@@ -7,8 +7,8 @@ Unlike Triton, the batcher knows which requests are still decoding their images 
 never pays the delay (under the process backend the HTTP workers tell the inference process what they are
 decoding). Up to `concurrency` batches run at once in the executor (2 on a GPU: one is copied in and
 post-processed while the other computes); results are written into the requests' records there, and each
-request's future is resolved once all its images are done. Beyond queue_limit queued images, new requests are refused at once
-instead of growing the queue.
+request's future is resolved once all its images are done. Beyond queue_limit queued images, new requests are
+refused at once instead of growing the queue.
 """
 import asyncio
 import time

@@ -40,9 +40,6 @@ class Results:
     photos: list[Photo] | None = None
     inputs: np.ndarray | None = None
 
-    def __len__(self) -> int:
-        return len(self.decode_ms)
-
 
 class Pipeline:
     def __init__(self, entry: ModelEntry, backend: Backend, decode_pool: ThreadPoolExecutor, settings: Settings,
@@ -58,6 +55,7 @@ class Pipeline:
         photo is kept for a map), JPEGs go there undecoded."""
         if not keep and self.backend.status()[self.name].decode == "gpu" and all(map(is_jpeg, uploads)):
             return await self._jpegs(uploads, top_k)
+
         def fill(records: np.ndarray) -> tuple[list[float], list[Photo] | None]:
             decode_ms, photos = [], []
             for i, data in enumerate(uploads):
@@ -101,10 +99,10 @@ class Pipeline:
 
     async def tensors(self, x: np.ndarray) -> Results:
         """Preprocessed inputs (KServe v2): float [n, 3, H, W] normalised pixels, or uint8 [n, H, W, 3] images."""
-        kind, field = ("image", "image") if x.dtype == np.uint8 else ("tensor", "tensor")
+        kind = "image" if x.dtype == np.uint8 else "tensor"  # the record field is named as its kind
 
         def fill(records: np.ndarray) -> tuple[list[float], None]:
-            records[field] = x  # one copy of the batch, nothing to decode: not worth a thread hop
+            records[kind] = x  # one copy of the batch, nothing to decode: not worth a thread hop
             return [0.0] * len(x), None
 
         return await self._run(kind, len(x), fill, 1, False, in_pool=False)

@@ -75,11 +75,12 @@ def test_jpegs_decoded_with_their_batch_give_the_cpu_paths_answers_and_a_bad_one
         backend = LocalBackend(settings(max_queue_delay_ms=50), Metrics())
         await backend.start()
         await backend.loaded()
-        decoder = HostDecoder(backend._by_name["shapes-vit"].policy)
+        vit = next(e for e in backend.entries if e.name == "shapes-vit")
+        decoder = HostDecoder(vit.policy)
         backend.use_jpeg_decoder("shapes-vit", decoder)
         assert backend.status()["shapes-vit"].decode == "gpu" and backend.status()["shapes-deit"].decode == "cpu"
         with ThreadPoolExecutor(2) as pool:
-            pipeline = Pipeline(backend._by_name["shapes-vit"], backend, pool, backend.settings, Metrics())
+            pipeline = Pipeline(vit, backend, pool, backend.settings, Metrics())
             good, bad, png = await asyncio.gather(
                 pipeline.images(jpegs, top_k=3), pipeline.images([jpegs[0][:2000]]),
                 pipeline.images([photo_bytes("chelsea", "PNG")]), return_exceptions=True)
@@ -106,7 +107,7 @@ def test_jpeg_bytes_cross_to_the_inference_process_beside_their_records(tmp_path
         try:
             await worker.start()
             await worker.loaded()
-            decoder = HostDecoder(server.backend._by_name["shapes-deit"].policy)
+            decoder = HostDecoder(next(e for e in server.backend.entries if e.name == "shapes-deit").policy)
             server.backend.use_jpeg_decoder("shapes-deit", decoder)  # pushed to the worker as status
             for _ in range(100):
                 if worker.status()["shapes-deit"].decode == "gpu":

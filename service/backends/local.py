@@ -45,6 +45,7 @@ class LocalBackend:
         self.cache = AttentionCache(settings.attention_cache_items, settings.attention_cache_bytes,
                                     settings.attention_ttl_s)
         self.inference: ThreadPoolExecutor | None = None
+        self.concurrency = 1  # batches in flight per graph, decided with the device
         self._loading: asyncio.Task | None = None
 
     # -- start-up ------------------------------------------------------------------------------------
