@@ -3,9 +3,12 @@
     python bench/export_speed.py                       # DeiT-S and Swin-T at batch 1 and 16
     python bench/export_speed.py --models deit_tiny_patch16_224 --batches 1 8 --rounds 10
     python bench/export_speed.py --profile 16          # also: where ORT fp32 and int8 spend a batch of 16
+    python bench/export_speed.py --profile 64 --profile-device cuda   # where ORT fp32 and fp16 spend it on CUDA
     python bench/export_speed.py --int8-variants       # also: per-channel and unsigned int8 weights
+    python bench/export_speed.py --conv-patch-embed    # also: the graph with the patch embedding as a Conv
 
-All run the served graph (logits plus the attention outputs) from the same random weights; ONNX Runtime at
+All run the served graph (logits plus the attention outputs) from the same random weights, fed normalised
+float pixels (its `pixel_values` input, what torch gets too); ONNX Runtime at
 each graph optimisation level (basic: constant folding and redundancy removal; extended: also operator
 fusions such as SkipLayerNorm, BiasGelu and the int8 DynamicQuantizeMatMul; all: also layout changes).
 Each round times every variant once, in a shuffled order, so drift in the machine's speed hits all of them
@@ -27,9 +30,10 @@ import torch
 from onnxruntime.quantization import QuantType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from export.graph import INPUT, MainGraph, export_graph  # noqa: E402
-from export.precision import quantize_int8  # noqa: E402
+from export.graph import MainGraph, export_form, export_graph  # noqa: E402
+from export.precision import convert_fp16, quantize_int8  # noqa: E402
 from models import create_model  # noqa: E402
+from repository import graph_inputs  # noqa: E402
 
 
 def ort_session(path: Path, level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
@@ -46,17 +50,19 @@ LEVELS = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
 
 
 def graph_path(cache: Path, name: str, precision: str) -> Path:
-    return cache / (f"{name}.onnx" if precision == "fp32" else f"{name}.{precision}.onnx")
+    return cache / f"{name}.uint8-input.{precision}.onnx"  # graphs with the images input (schema 2)
 
 
-def variants(name: str, cache: Path, int8_variants: bool) -> tuple[dict, int]:
+def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool) -> tuple[dict, int]:
     """The callables to compare, each taking a float32 NCHW batch, and the model's input size."""
     torch.manual_seed(0)
     main = MainGraph(create_model(name))
     fp32 = graph_path(cache, name, "fp32")
     if not fp32.exists():
         print(f"exporting {name} ...", file=sys.stderr)
-        export_graph(main, main.model.spec.img_size, fp32)
+        export_graph(MainGraph(export_form(main.model)), main.model.spec.img_size, fp32)  # as `python -m export`
+    if conv_patch_embed and not graph_path(cache, name, "fp32-conv").exists():
+        export_graph(main, main.model.spec.img_size, graph_path(cache, name, "fp32-conv"))
     quantized = list(QUANTIZED) if int8_variants else ["int8"]
     for precision in quantized:
         if not graph_path(cache, name, precision).exists():
@@ -65,26 +71,30 @@ def variants(name: str, cache: Path, int8_variants: bool) -> tuple[dict, int]:
     sessions = {f"ort {precision} {level}": ort_session(graph_path(cache, name, precision), value)
                 for precision in ("fp32", "int8") for level, value in LEVELS.items()}
     sessions.update({f"ort {precision} all": ort_session(graph_path(cache, name, precision))
-                     for precision in quantized[1:]})
+                     for precision in quantized[1:] + (["fp32-conv"] if conv_patch_embed else [])})
+
+    size = main.model.spec.img_size
+    no_images = torch.zeros(0, size, size, 3, dtype=torch.uint8)
 
     def torch_call(x):
         with torch.inference_mode():
-            return main(torch.from_numpy(x))
+            return main(no_images, torch.from_numpy(x))
 
     calls = {"torch eager": torch_call}
-    calls.update({k: (lambda s: lambda x: s.run(None, {INPUT: x}))(s) for k, s in sessions.items()})
-    return calls, main.model.spec.img_size
+    calls.update({k: (lambda s: lambda x: s.run(None, graph_inputs(x)))(s) for k, s in sessions.items()})
+    return calls, size
 
 
-def op_times(path: Path, batch: int, size: int, runs: int = 3) -> dict[str, float]:
-    """ORT's own profile: milliseconds per batch spent in each operator type (as fused by level `all`)."""
+def op_times(path: Path, batch: int, size: int, provider: str, runs: int = 3) -> tuple[str, dict[str, float]]:
+    """ORT's own profile: the provider the session got, and milliseconds per batch spent in each operator type
+    (as fused by level `all`)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = os.cpu_count()
     options.enable_profiling = True
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(path), options, providers=[provider])
     x = np.random.default_rng(0).standard_normal((batch, 3, size, size), dtype=np.float32)
-    for _ in range(1 + runs):  # the first run (allocations) is left out below
-        session.run(None, {INPUT: x})
+    for _ in range(1 + runs):  # the first run (allocations, kernel choice) is left out below
+        session.run(None, graph_inputs(x))
     trace = Path(session.end_profiling())
     events = json.loads(trace.read_text())
     trace.unlink()
@@ -93,16 +103,25 @@ def op_times(path: Path, batch: int, size: int, runs: int = 3) -> dict[str, floa
     for event in events:
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and event["ts"] >= measured_from:
             totals[event["args"]["op_name"]] += event["dur"] / 1e3 / runs
-    return dict(totals.most_common())
+    return session.get_providers()[0], dict(totals.most_common())
 
 
-def print_profile(name: str, cache: Path, batch: int, size: int) -> None:
-    profiles = {precision: op_times(graph_path(cache, name, precision), batch, size) for precision in ("fp32", "int8")}
+def print_profile(name: str, cache: Path, batch: int, size: int, device: str) -> None:
+    if device == "cuda":
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            print(f"\n{name}: no CUDA profile, the CUDA provider is not in this onnxruntime")
+            return
+        provider, precisions = "CUDAExecutionProvider", ("fp32", "fp16")
+        if not graph_path(cache, name, "fp16").exists():
+            convert_fp16(graph_path(cache, name, "fp32"), graph_path(cache, name, "fp16"))
+    else:
+        provider, precisions = "CPUExecutionProvider", ("fp32", "int8")
+    profiles = {p: op_times(graph_path(cache, name, p), batch, size, provider) for p in precisions}
     print(f"\n{name}, batch {batch}: ms per batch by operator type (ORT's profile of 3 runs)")
-    for precision, times in profiles.items():
+    for precision, (used, times) in profiles.items():
         total = sum(times.values())
         top = ", ".join(f"{op} {ms:.0f} ({ms / total:.0%})" for op, ms in list(times.items())[:8])
-        print(f"  {precision}: total {total:.0f}: {top}")
+        print(f"  {precision} on {used}: total {total:.0f}: {top}")
 
 
 def bench(calls: dict, batch: int, size: int, rounds: int, repeat: int) -> dict[str, float]:
@@ -129,7 +148,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--cache", type=Path, default=Path("build/bench"))
     p.add_argument("--profile", type=int, metavar="BATCH", help="also print ORT's time by operator type at BATCH")
+    p.add_argument("--profile-device", choices=["cpu", "cuda"], default="cpu",
+                   help="profile fp32 and int8 on the CPU, or fp32 and fp16 on CUDA (a session that cannot start "
+                        "there falls back to the CPU: check the provider line)")
     p.add_argument("--int8-variants", action="store_true", help="also time per-channel and u8u8 int8 graphs")
+    p.add_argument("--conv-patch-embed", action="store_true",
+                   help="also time the fp32 graph with its patch embedding as a strided Conv (before the MatMul)")
     args = p.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count())
@@ -139,7 +163,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for name in args.models:
-        calls, size = variants(name, args.cache, args.int8_variants)
+        calls, size = variants(name, args.cache, args.int8_variants, args.conv_patch_embed)
         for batch in args.batches:
             med = bench(calls, batch, size, args.rounds, repeat=4 if batch == 1 else 1)
             for k, t in med.items():
@@ -147,7 +171,7 @@ def main() -> None:
                 print(f"{name:<30} {batch:>5} {k:<24} {t * 1e3:>9.1f} {batch / t:>7.1f} "
                       f"{med['torch eager'] / t:>8.2f}x {vs_fp32}")
         if args.profile:
-            print_profile(name, args.cache, args.profile, size)
+            print_profile(name, args.cache, args.profile, size, args.profile_device)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ service's figures divided by the raw session's.
 
 graphs:  images/s of each model at each batch, the variants alternating round by round (medians):
          ORT fp32/fp16 "dev" (input and outputs resident on the GPU, IOBinding with OrtValues), the service's
-         `Runner` (numpy in, outputs copied back), the project's PyTorch model (fp16 eager on CUDA), timm with AMP
-         and channels_last if it imports. Without CUDA: ORT fp32 on the CPU, Runner, PyTorch fp32.
+         `Runner` (numpy in, outputs copied back), the project's PyTorch model in fp16, eager and under
+         torch.compile (inductor; compiled once per batch size, not timed), timm with AMP and channels_last if it
+         imports. Without CUDA: ORT fp32 on the CPU, Runner, PyTorch fp32 eager.
 service: `python -m service` (the backend it picks for this host) on the first model, with its fp16 sibling
          on CUDA; /classify with 451 x 300 JPEGs (1 and 8 per request) and /v2 (FP32 and UINT8 tensors, binary
          outputs) at each client count, the clients spread over several processes; images/s, p50/p99, and the
@@ -92,7 +93,7 @@ def runner(folder: Path, batch: int, device: str):
     return lambda: run.run(images, tensors)
 
 
-def torch_model(model: str, batch: int, cuda: bool):
+def torch_model(model: str, batch: int, cuda: bool, compiled: bool = False):
     import torch
 
     from models import create_model
@@ -101,6 +102,8 @@ def torch_model(model: str, batch: int, cuda: bool):
     x = torch.randn(batch, 3, size, size)
     if cuda:
         net, x = net.half().cuda(), x.half().cuda()
+    if compiled:
+        net = torch.compile(net)  # compiles at the first call, which median_rates leaves out
 
     def run() -> None:
         with torch.inference_mode():
@@ -140,16 +143,19 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
         for batch in batches:
             if cuda:
                 calls = {"ORT fp32 dev": ort_on_device(fp32, batch), "ORT fp16 dev": ort_on_device(fp16, batch),
-                         "Runner fp16": runner(fp16, batch, CUDA), "torch fp16": torch_model(model, batch, True)}
+                         "Runner fp16": runner(fp16, batch, CUDA), "torch fp16": torch_model(model, batch, True),
+                         "torch.compile fp16": torch_model(model, batch, True, compiled=True)}
             else:
                 calls = {"ORT fp32": runner(fp32, batch, CPU), "torch fp32": torch_model(model, batch, False)}
             if has_timm:
                 calls["timm AMP"] = timm_amp(model, batch)
             rates = median_rates(calls, batch, rounds, seconds)
             raw[model, batch] = rates["ORT fp16 dev" if cuda else "ORT fp32"]
-            torch_key = "torch fp16" if cuda else "torch fp32"
+            ratios = (f"ORT fp16 / torch {raw[model, batch] / rates['torch fp16']:.2f}, / torch.compile "
+                      f"{raw[model, batch] / rates['torch.compile fp16']:.2f}" if cuda else
+                      f"ORT / torch {raw[model, batch] / rates['torch fp32']:.2f}")
             print(f"{model:<30} batch {batch:>4}: " + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items())
-                  + f"; ORT / torch {raw[model, batch] / rates[torch_key]:.2f}", flush=True)
+                  + f"; {ratios}", flush=True)
     return raw
 
 

@@ -14,6 +14,7 @@ that preprocess themselves, the KServe v2 FP32 input). Either may have batch 0; 
 the images' first.
 """
 import collections
+import copy
 import logging
 import warnings
 from pathlib import Path
@@ -22,6 +23,7 @@ import onnx
 import torch
 from torch import nn
 
+from models.layers import PatchEmbed
 from models.swin_transformer import SwinTransformer
 from models.vision_transformer import VisionTransformer
 
@@ -43,6 +45,34 @@ class ImageInput(nn.Module):
     def forward(self, images: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
         x = images.permute(0, 3, 1, 2).float() * self.scale + self.shift  # transposed while still 1 byte a pixel
         return torch.cat([x, pixel_values])
+
+
+class MatMulPatchEmbed(nn.Module):
+    """PatchEmbed's strided Conv as what it computes, each patch's pixels times one matrix: the form GPU GEMMs
+    run fastest (on an H100 the Conv took 36% of DeiT-S's fp16 time, all the network's MatMuls together 27%)."""
+
+    def __init__(self, embed: PatchEmbed):
+        super().__init__()
+        conv = embed.proj
+        self.patch = conv.kernel_size[0]
+        self.weight = nn.Parameter(conv.weight.detach().flatten(1).t().contiguous(), requires_grad=False)
+        self.bias = nn.Parameter(conv.bias.detach().clone(), requires_grad=False)
+        self.norm = embed.norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C, H, W] -> [B, H/p, W/p, D], as PatchEmbed."""
+        b, c, h, w = x.shape
+        p = self.patch
+        patches = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, h // p, w // p, -1)
+        return self.norm(patches @ self.weight + self.bias)
+
+
+def export_form(model: nn.Module) -> nn.Module:
+    """A copy of the model as it is exported (the patch embedding a MatMul); the original stays the parity
+    gate's reference, so the gate proves the rewrite too."""
+    exported = copy.deepcopy(model)
+    exported.patch_embed = MatMulPatchEmbed(exported.patch_embed)
+    return exported
 
 
 class MainGraph(nn.Module):

@@ -4,7 +4,11 @@ fp32 graphs are compared with PyTorch on real photographs (scikit-image's), prep
 and on random inputs: logits within 1e-4 and attention outputs within 1e-4, through the float `pixel_values`
 input, and the photos again as uint8 through the `images` input (the graph's own normalisation). fp16/int8
 graphs are compared with the fp32 graph: top-1 agreement >= 99% on a held-out set (--eval-data, as uint8
-images, the way the service sends them), else on the same inputs.
+images, the way the service sends them). Without one (random-init weights, or none given), on the same inputs:
+top-1 agreement >= 99%, or the largest logit error at most 5% of the fp32 logits' spread (each input's largest
+minus smallest logit, averaged). Untrained logits are near ties (ViT-B/16's two best differ by 0.003 where fp16
+errs by 0.0035, in a spread of 3.7), so agreement alone fails sound conversions; an unsound one (a wrong scale,
+a broken op) errs by tens of % of the spread.
 """
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +27,7 @@ from .graph import IMAGES, TENSOR
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "hubble_deep_field", "immunohistochemistry", "coins")
 FP32_ABS_TOLERANCE = 1e-4
 MIN_TOP1_AGREEMENT = 0.99
+MAX_RELATIVE_LOGIT_ERROR = 0.05  # of the logits' spread; measured: fp16 0.1% (ViT-B/16 on an H100), int8 2% (DeiT-Ti)
 
 
 class ParityError(RuntimeError):
@@ -123,8 +128,21 @@ def check_reduced(session: ort.InferenceSession, fp32: ort.InferenceSession, inp
         labels = inputs.heldout_labels.numpy()
         report["heldout_accuracy"] = float((got[0].argmax(1) == labels).mean())
         report["fp32_heldout_accuracy"] = float((want[0].argmax(1) == labels).mean())
-    if report["top1_agreement"] < MIN_TOP1_AGREEMENT:
-        hint = "" if heldout else " (on photos and random inputs; pass --eval-data with held-out images)"
-        raise ParityError(f"top-1 agreement with the fp32 graph is {report['top1_agreement']:.3f} < "
-                          f"{MIN_TOP1_AGREEMENT}{hint}: {report}")
+    spread = float(np.ptp(want[0], axis=1).mean())
+    report["logits_relative_error"] = report["logits_max_abs_diff"] / spread if spread else float("inf")
+    if not reduced_precision_passes(report["top1_agreement"], report["logits_relative_error"], heldout):
+        rule = (f"top-1 agreement >= {MIN_TOP1_AGREEMENT} on held-out data" if heldout else
+                f"top-1 agreement >= {MIN_TOP1_AGREEMENT} or a logit error <= {MAX_RELATIVE_LOGIT_ERROR:.0%} of the "
+                "logits' spread (on photos and random inputs; pass --eval-data with held-out images)")
+        raise ParityError(f"the reduced-precision graph fails the gate ({rule}): top-1 agreement "
+                          f"{report['top1_agreement']:.3f}, logit error {report['logits_relative_error']:.1%} of the "
+                          f"spread: {report}")
     return report
+
+
+def reduced_precision_passes(agreement: float, relative_error: float, heldout: bool) -> bool:
+    """The gate for fp16/int8 graphs: trained models are judged by their decisions on held-out data, others by
+    their decisions or, where those are near ties, by how far their logits moved (module docstring)."""
+    if heldout:
+        return agreement >= MIN_TOP1_AGREEMENT
+    return agreement >= MIN_TOP1_AGREEMENT or relative_error <= MAX_RELATIVE_LOGIT_ERROR

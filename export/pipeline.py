@@ -21,8 +21,8 @@ from models import create_model, get_spec, load_weights
 from models.swin_transformer import SwinTransformer
 
 from . import manifest as mf
-from .graph import (IMAGES, OPSET, TENSOR, ExplainGraph, MainGraph, expected_attention_blocks, export_graph,
-                    fused_attention_count, op_counts, unfused_attention)
+from .graph import (IMAGES, OPSET, TENSOR, ExplainGraph, MainGraph, expected_attention_blocks, export_form,
+                    export_graph, fused_attention_count, op_counts, unfused_attention)
 from .parity import FP32_ABS_TOLERANCE, ParityError, check_fp32, check_reduced, gate_inputs, run_session, run_torch
 from .precision import CONVERTERS
 
@@ -154,7 +154,7 @@ def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progr
     main = MainGraph(model)
     fp32_path = work / ("model.onnx" if precision == "fp32" else "fp32.onnx")
     log(f"exporting to ONNX opset {OPSET} with a dynamic batch axis")
-    proto = export_graph(main, model.spec.img_size, fp32_path)
+    proto = export_graph(MainGraph(export_form(model)), model.spec.img_size, fp32_path)
     counts = _check_fusion(proto, model)
     log(f"{fused_attention_count(counts)} fused attention ops, none unfused")
     fp32 = _session(fp32_path, ["CPUExecutionProvider"])
@@ -167,7 +167,8 @@ def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progr
     proto = CONVERTERS[precision](fp32_path, work / "model.onnx")
     counts = _check_fusion(proto, model)
     reduced = check_reduced(_session(work / "model.onnx", PROVIDERS[precision]), fp32, inputs)
-    log(f"{precision} vs fp32 on {reduced['provider']}: top-1 agreement {reduced['top1_agreement']:.4f} "
+    log(f"{precision} vs fp32 on {reduced['provider']}: top-1 agreement {reduced['top1_agreement']:.4f}, logit error "
+        f"{reduced['logits_relative_error']:.2%} of the spread "
         f"on {reduced['agreement_on']}")
     fp32_path.unlink()
     return proto, counts, {"fp32": parity, precision: reduced}
@@ -177,7 +178,7 @@ def _explain_graph(model: nn.Module, work: Path, inputs, log: Progress) -> tuple
     """explain.onnx (every block's attention probabilities), checked against PyTorch."""
     log("exporting the explain graph (every block's attention probabilities)")
     explain = ExplainGraph(model)
-    export_graph(explain, model.spec.img_size, work / "explain.onnx")
+    export_graph(ExplainGraph(export_form(model)), model.spec.img_size, work / "explain.onnx")
     got = run_session(_session(work / "explain.onnx", ["CPUExecutionProvider"]), inputs.probe[:4])
     worst = max(float(np.abs(g - w).max()) for g, w in zip(got, run_torch(explain, inputs.probe[:4])))
     if worst > FP32_ABS_TOLERANCE:

@@ -4,9 +4,15 @@ import math
 import threading
 from dataclasses import dataclass
 
-import cv2
 import numpy as np
 from PIL import Image
+
+from .errors import Unavailable
+
+try:
+    import cv2
+except ImportError:  # the service still serves; face detection answers 503
+    cv2 = None
 
 CASCADE = "haarcascade_frontalface_default.xml"
 _local = threading.local()  # a CascadeClassifier is not safe to share between threads
@@ -21,11 +27,19 @@ class DetectorSettings:
     max_side: int
 
 
-def _cascade() -> cv2.CascadeClassifier:
+def _cascade():
+    """This thread's cascade; Unavailable where this OpenCV has none (not installed, 5.x, or an image's build
+    without the Haar API, as on the GPU hosts' image)."""
     if not hasattr(_local, "cascade"):
-        cascade = cv2.CascadeClassifier(cv2.data.haarcascades + CASCADE)
-        if cascade.empty():
-            raise RuntimeError(f"OpenCV's {CASCADE} did not load (opencv-python-headless >= 5 no longer ships it)")
+        try:
+            cascade = cv2.CascadeClassifier(cv2.data.haarcascades + CASCADE)
+            loaded = not cascade.empty()
+        except (AttributeError, TypeError):
+            loaded = False
+        if not loaded:
+            raise Unavailable(f"face detection is unavailable on this server: its OpenCV has no {CASCADE} "
+                              "(opencv-python-headless < 5 ships it); send aligned face crops with detect=false",
+                              "face_detection_unavailable")
         _local.cascade = cascade
     return _local.cascade
 

@@ -21,16 +21,19 @@ log = logging.getLogger("vitserve")
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 
 
-def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: bool = False) -> ort.InferenceSession:
-    """A session on the first of `providers` that starts here (the CPU as the last resort)."""
+def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: bool = False,
+                 tf32: bool = False) -> ort.InferenceSession:
+    """A session on the first of `providers` that starts here (the CPU as the last resort). On CUDA, fp32 math
+    uses TF32 tensor cores only with `tf32` (ORT's own default is on)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or os.cpu_count() or 1
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_wait else "0")
-    wanted = [p for p in providers if p in ort.get_available_providers()]
+    wanted = list(dict.fromkeys([p for p in providers if p in ort.get_available_providers()] + [CPU]))
+    configured = [(p, {"use_tf32": str(int(tf32))}) if p == CUDA else p for p in wanted]
     ort.set_default_logger_severity(4)  # a provider that cannot start is expected here, not an error
     try:
-        return ort.InferenceSession(str(path), options, providers=list(dict.fromkeys(wanted + [CPU])))
+        return ort.InferenceSession(str(path), options, providers=configured)
     finally:
         ort.set_default_logger_severity(2)
 
@@ -83,8 +86,8 @@ class Runner:
     returns every output by name, B1 + B2 rows, the images' first. `inputs`: the two inputs' names."""
 
     def __init__(self, path: Path, inputs: tuple[str, str], providers: list[str], threads: int = 0,
-                 spin_wait: bool = False):
-        self.session = open_session(path, providers, threads, spin_wait)
+                 spin_wait: bool = False, tf32: bool = False):
+        self.session = open_session(path, providers, threads, spin_wait, tf32)
         self.provider = self.session.get_providers()[0]
         self.input_names = inputs
         self.output_names = [o.name for o in self.session.get_outputs()]

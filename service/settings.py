@@ -33,6 +33,10 @@ class Settings(BaseSettings):
     max_files: int = Field(64, ge=1, description="images per /classify request")
     providers: list[str] | None = Field(None, description="ONNX Runtime providers to try, best first "
                                                           "(default: CUDA if it starts here, then CPU)")
+    cuda_tf32: bool = Field(False, description="fp32 graphs on CUDA may use TF32 tensor cores: faster matrix "
+                                              "products, errors near 1e-3; off, fp32 sessions give the CPU's "
+                                              "answers to 1e-4 (the export gate's tolerance), and fp16 is the fast "
+                                              "path")
     gpu_decode: bool = Field(True, description="on CUDA, decode JPEGs on the GPU with nvImageCodec, in batches, "
                                                "where it and CuPy are installed (the `gpu` extra); else Pillow")
     intra_op_threads: int = Field(0, ge=0, description="threads per inference (0: one per core)")

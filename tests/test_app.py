@@ -1,6 +1,9 @@
 """The HTTP layer in this process: create_app takes a backend, so routes, errors and limits are tested without a
 server process, over the real LocalBackend or over a backend that misbehaves on purpose."""
 import asyncio
+import subprocess
+import sys
+import types
 from contextlib import contextmanager
 
 import httpx
@@ -9,6 +12,7 @@ import pytest
 from service_process import ROOT, direct_probabilities, photo_bytes
 
 from repository import scan
+from service import faces
 from service.app import create_app
 from service.backends import ModelStatus
 from service.backends.local import LocalBackend
@@ -95,3 +99,18 @@ def test_a_backend_that_cannot_answer_gives_503_with_retry_after(behaviour, code
     assert ready.status_code == (503 if behaviour == "loading" else 200)
     assert classified.status_code == 503 and classified.headers["Retry-After"] == retry_after
     assert classified.json()["error"]["code"] == code
+
+
+def test_without_opencvs_face_cascade_the_service_serves_and_face_detection_answers_503(monkeypatch):
+    loaded = subprocess.run([sys.executable, "-c", "import sys; sys.modules['cv2'] = None; import service.app"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr  # no OpenCV at all: the service still imports
+    monkeypatch.setattr(faces, "cv2", types.SimpleNamespace(CascadeClassifier=object))  # the GPU image's shim
+    settings = Settings(model_repository=REPO, warmup_runs=0)
+    app = create_app(settings, LocalBackend(settings, Metrics()), metrics=Metrics())
+    photo = {"files": {"file": ("a.png", photo_bytes("astronaut", "PNG"))}}
+    detected, aligned = asyncio.run(call(app, [("POST", "/expression", photo),
+                                               ("POST", "/expression", {**photo, "params": {"detect": "false"}})]))
+    assert detected.status_code == 503 and detected.json()["error"]["code"] == "face_detection_unavailable"
+    assert "detect=false" in detected.json()["error"]["message"]
+    assert aligned.status_code == 200 and len(aligned.json()["faces"]) == 1

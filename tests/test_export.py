@@ -14,7 +14,7 @@ import models
 from export.__main__ import main as export_main
 from export.graph import MainGraph, unfused_attention
 from export.manifest import sha256, validate
-from export.parity import ParityError, check_fp32, check_reduced, gate_inputs
+from export.parity import ParityError, check_fp32, check_reduced, gate_inputs, reduced_precision_passes
 from models.synthetic import __main__ as synthetic
 from repository import graph_inputs
 
@@ -103,8 +103,17 @@ def test_parity_gate_rejects_a_perturbed_graph(repo, tmp_path):
     assert check_fp32(good, main, inputs)["logits_max_abs_diff"] < 1e-4
     with pytest.raises(ParityError, match="differs from PyTorch"):
         check_fp32(_perturbed_copy(repo, "vit", tmp_path, 1.001), main, inputs)
-    with pytest.raises(ParityError, match="top-1 agreement with the fp32 graph"):
+    with pytest.raises(ParityError, match="fails the gate"):  # logits flipped: decisions and errors both off
         check_reduced(_perturbed_copy(repo, "vit", tmp_path, -1.0), good, inputs)
+    close = check_reduced(_perturbed_copy(repo, "vit", tmp_path, 1.001), good, inputs)
+    assert close["logits_relative_error"] < 0.01
+
+
+def test_the_reduced_precision_gate_judges_untrained_logits_by_their_error_and_trained_ones_by_decisions():
+    assert reduced_precision_passes(0.917, 0.001, heldout=False)  # ViT-B/16, random init, fp16 on an H100
+    assert not reduced_precision_passes(0.917, 0.001, heldout=True)  # on held-out data, decisions alone count
+    assert not reduced_precision_passes(0.5, 0.3, heldout=False)  # a broken conversion
+    assert reduced_precision_passes(0.995, 0.3, heldout=True)
 
 
 def test_unfused_attention_is_detected():

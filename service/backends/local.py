@@ -91,7 +91,7 @@ class LocalBackend:
 
     def _open(self, entry: ModelEntry, plan: Plan) -> Runner:
         runner = Runner(entry.path(), _input_names(entry), list(plan.providers), self.settings.intra_op_threads,
-                        self.settings.spin_wait)
+                        self.settings.spin_wait, self.settings.cuda_tf32)
         # first runs allocate memory and pick kernels: do them before the first request does
         h, w = entry.policy.size
         start, no_tensors = time.perf_counter(), np.zeros((0, 3, h, w), np.float32)
@@ -203,8 +203,8 @@ class LocalBackend:
         def work() -> list[np.ndarray]:
             if graph not in self._explainers:  # only the inference threads get here; a second open is harmless
                 self._explainers[graph] = Runner(verify_file(entry, "explain"), _input_names(entry),
-                                                 list(self.plans[model].providers),
-                                                 self.settings.intra_op_threads, self.settings.spin_wait)
+                                                 list(self.plans[model].providers), self.settings.intra_op_threads,
+                                                 self.settings.spin_wait, self.settings.cuda_tf32)
             h, w = entry.policy.size
             outputs = self._explainers[graph].run(image[None], np.zeros((0, 3, h, w), np.float32))
             return [outputs[name][0] for name in entry.manifest["attention"]["explain_outputs"]]
