@@ -3,11 +3,16 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-slow serve models demo-data demo-weights clean
+.PHONY: install test test-slow serve models demo-data demo-weights lock clean
 
-$(VENV)/.installed: pyproject.toml
+# RUNTIME=cpu (plain onnxruntime) or RUNTIME=gpu (onnxruntime-gpu with CUDA 13, cuDNN 9 and GPU decoding).
+# The two share a module name and break each other, so the other one goes first.
+RUNTIME ?= cpu
+OTHER_ORT := $(if $(filter gpu,$(RUNTIME)),onnxruntime,onnxruntime-gpu)
+$(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --editable '.[train,test,loadtest,ray]'
+	$(BIN)/pip uninstall --quiet --yes $(OTHER_ORT) 2>/dev/null || true
+	$(BIN)/pip install --quiet --constraint requirements.lock --editable '.[$(RUNTIME),train,test,loadtest,ray]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -59,6 +64,20 @@ demo-weights: demo-data
 	$(BIN)/python -m models.train deit_micro_distilled_patch8_96 --data $(SHAPES) --out $(DEMO)/deit_micro_distilled_patch8_96 --epochs 10 --batch-size 32 $(RECIPE) \
 		--teacher $(DEMO)/swin_micro_patch4_window6_96/model.safetensors
 	rm -f $(DEMO)/*/checkpoint.pt
+
+# requirements.lock: every dependency of every extra, resolved together for Linux x86-64 and Python 3.11,
+# both ONNX Runtimes at one version. `make install` (so CI) and the Docker images install within it.
+ORT_VERSION ?= 1.31.1
+lock:
+	mkdir -p build
+	printf 'onnxruntime==$(ORT_VERSION)\nonnxruntime-gpu==$(ORT_VERSION)\n' > build/ort.txt
+	$(PYTHON) -m pip install --quiet --dry-run --ignore-installed --constraint build/ort.txt \
+		--report build/resolved.json '.[cpu,gpu,train,test,loadtest,ray]'
+	$(PYTHON) -c 'import json, sys; \
+		found = [f["metadata"] for f in json.load(open(sys.argv[1]))["install"]]; \
+		pins = ["%s==%s" % (p["name"], p["version"].split("+")[0]) for p in found if p["name"] != "vitserve"]; \
+		print("# Every dependency pinned, as pip constraints. Renew with `make lock` (see the Makefile)."); \
+		print(*sorted(pins, key=str.lower), sep="\n")' build/resolved.json > requirements.lock
 
 clean:
 	rm -rf $(VENV) build *.egg-info

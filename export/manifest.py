@@ -4,6 +4,8 @@ from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 
+import onnxruntime as ort
+
 from repository import sha256
 from repository import validate_manifest as validate
 
@@ -15,7 +17,9 @@ def file_entry(path: Path) -> dict:
 
 
 def package_versions() -> dict[str, str]:
-    return {name: version(name) for name in ("torch", "onnx", "onnxscript", "onnxruntime-gpu", "vitserve")}
+    """What made the graph; ONNX Runtime by its module, which onnxruntime and onnxruntime-gpu both provide."""
+    return {**{name: version(name) for name in ("torch", "onnx", "onnxscript", "vitserve")},
+            "onnxruntime": ort.__version__}
 
 
 def now() -> str:

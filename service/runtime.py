@@ -2,10 +2,13 @@
 
 onnxruntime-gpu lists the CUDA provider even on hosts without CUDA 13 / cuDNN 9, and asking for it there
 logs a raw loader error. So the device is chosen once at start-up, by opening one graph on CUDA with ORT's
-logging muted and looking at what the session got; every model then opens on that device.
+logging muted and looking at what the session got; every model then opens on that device. CUDA and cuDNN
+installed from PyPI (the `gpu` extra, the GPU image) live in site-packages, outside the loader's search path:
+they are loaded first.
 On CUDA, a model `NAME` with an fp16 sibling `NAME-fp16` runs the sibling's graph (one session for both names);
 fp16 graphs are not served on the CPU, and graphs made for the CPU alone (int8) stay on it.
 """
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -40,13 +43,17 @@ def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: 
 
 def choose_device(entries: list[ModelEntry], providers: list[str] | None) -> str:
     """CUDA if it is wanted and a session really starts on it here (tried on the smallest graph), else the CPU."""
-    if CUDA not in (providers or [CUDA]) or CUDA not in ort.get_available_providers() or not entries:
-        return CPU
-    smallest = min(entries, key=lambda e: e.path().stat().st_size)
-    if open_session(smallest.path(), [CUDA], threads=1).get_providers()[0] == CUDA:
-        return CUDA
-    log.info("CUDA is not usable on this host (onnxruntime-gpu needs CUDA 13 and cuDNN 9); serving on the CPU")
-    return CPU
+    device = CPU
+    if CUDA in (providers or [CUDA]) and CUDA in ort.get_available_providers() and entries:
+        if importlib.util.find_spec("nvidia") is not None:  # CUDA/cuDNN wheels (onnxruntime-gpu[cuda,cudnn])
+            ort.preload_dlls()
+        smallest = min(entries, key=lambda e: e.path().stat().st_size)
+        device = open_session(smallest.path(), [CUDA], threads=1).get_providers()[0]
+        if device != CUDA:
+            log.warning("CUDA is not usable on this host (onnxruntime-gpu needs CUDA 13 and cuDNN 9)")
+    log.info("serving on %s (ONNX Runtime %s, providers built in: %s)", device, ort.__version__,
+             ", ".join(ort.get_available_providers()))
+    return device
 
 
 @dataclass(frozen=True)
