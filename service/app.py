@@ -4,13 +4,14 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from . import http_errors
 from .backends import Backend
 from .backends.local import LocalBackend
 from .metrics import Metrics, exposition
-from .middleware import BodyLimit, RequestMetrics
+from .middleware import ApiKey, BodyLimit, RequestMetrics
 from .pipeline import Pipelines
 from .routers import attention, classify, expression, health, kserve, models
 from .settings import Settings
@@ -66,6 +67,14 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     async def prometheus(request: Request) -> Response:
         return Response(exposition(metrics), media_type=CONTENT_TYPE_LATEST)
 
+    # the last added runs first: CORS answers preflights, metrics count every answer, the body limit comes
+    # before the key (a refused key reads at most that much)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKey, key=settings.api_key.get_secret_value())
     app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Content-Type", "X-API-Key", "Inference-Header-Content-Length"],
+                           expose_headers=["Retry-After", "Inference-Header-Content-Length"])
     return app

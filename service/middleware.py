@@ -1,4 +1,5 @@
-"""ASGI middleware: the request-body limit and per-route request metrics."""
+"""ASGI middleware: the request-body limit, the API key and per-route request metrics."""
+import hmac
 import time
 
 from .http_errors import error_response
@@ -11,7 +12,8 @@ class _BodyTooLarge(Exception):
 
 class BodyLimit:
     """413 for request bodies over the limit: at once from Content-Length, else while the body streams in,
-    so an oversized upload is never buffered whole."""
+    so an oversized upload is never buffered whole. The server reads and drops the rest of a refused body, so
+    the client reads the answer (a client that asked `Expect: 100-continue`, as curl does, sends none of it)."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -45,6 +47,29 @@ class BodyLimit:
         except _BodyTooLarge:
             if not started:
                 await self.too_large()(scope, receive, send)
+
+
+class ApiKey:
+    """401 unless the request's X-API-Key header holds the key (compared in constant time), on every route but
+    the open ones: health, metrics, the API docs, the index and the v2 server metadata. New routes are closed
+    until opened here."""
+
+    OPEN_PREFIXES = ("/health/", "/v2/health/", "/metrics", "/docs", "/redoc", "/openapi.json")
+    OPEN_PATHS = ("/", "/v2")
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in self.OPEN_PATHS or path.startswith(self.OPEN_PREFIXES):
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-api-key", b"")
+        if hmac.compare_digest(given, self.key):
+            return await self.app(scope, receive, send)
+        message = "wrong API key" if given else "this server needs an API key: send it in the X-API-Key header"
+        await error_response(401, "unauthorized", message, {"WWW-Authenticate": 'APIKey header="X-API-Key"'},
+                             path)(scope, receive, send)
 
 
 class RequestMetrics:

@@ -2,7 +2,7 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EMBEDDED_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
@@ -28,6 +28,10 @@ class Settings(BaseSettings):
                                                            "to fill, while other requests are still decoding")
     queue_limit: int = Field(256, ge=1, description="queued images per model beyond which requests get 503")
     request_timeout_s: float = Field(30.0, gt=0, description="longest wait for a result before 503")
+    api_key: SecretStr | None = Field(None, description="if set, every route but health, metrics and the docs needs "
+                                                        "it in the X-API-Key header (401 without it)")
+    cors_origins: list[str] = Field([], description='origins whose browser pages may call the API, e.g. '
+                                                    '["https://app.example.com"] or ["*"] (default: none)')
     max_upload_bytes: int = Field(16 * 2**20, ge=1, description="request body limit; larger requests get 413")
     max_image_pixels: int = Field(50_000_000, ge=1, description="decoded image size limit (decompression bombs)")
     max_files: int = Field(64, ge=1, description="images per /classify request")

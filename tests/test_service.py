@@ -87,6 +87,24 @@ def test_bad_requests_get_clear_json_errors_and_the_server_keeps_serving(url):
     assert classify(url, ("a.jpg", JPEG)).status_code == 200
 
 
+def test_an_upload_thirty_times_the_limit_gets_a_413_the_client_reads_and_is_never_held(url):
+    rss = lambda: process_metrics(httpx.get(f"{url}/metrics").text)["process_resident_memory_bytes"]  # noqa: E731
+    before, huge = rss(), os.urandom(60_000_000)
+    sized = classify(url, ("huge.jpg", huge))  # Content-Length says it at once
+    chunks = (huge[i:i + 2**20] for i in range(0, len(huge), 2**20))
+    streamed = httpx.post(f"{url}/classify", content=chunks, timeout=60,  # chunked: found out while streaming
+                          headers={"content-type": "multipart/form-data; boundary=x"})
+    for response in (sized, streamed):
+        assert response.status_code == 413 and response.json()["error"]["code"] == "too_large", response.text
+    assert rss() - before < 20e6  # 60 MB went through twice; neither was kept
+    assert classify(url, ("a.jpg", JPEG)).status_code == 200
+
+
+def test_by_default_no_key_is_asked_and_no_page_elsewhere_may_call(url):
+    r = httpx.get(f"{url}/models", headers={"Origin": "https://app.example"}, timeout=10)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_models_lists_every_model_with_provider_and_readiness(url):
     body = httpx.get(f"{url}/models").json()
     names = {m["name"]: m for m in body["models"]}
