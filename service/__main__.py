@@ -2,6 +2,7 @@
 (other settings: VITSERVE_* variables)."""
 import argparse
 import logging
+import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
         app = create_app(settings)
     except RepositoryError as e:
         raise SystemExit(f"error: {e}") from None
+    # uvicorn raises the SIGTERM it drained on again once done: a drain that finished is a clean exit
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
 

@@ -5,13 +5,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from . import http_errors
 from .backends import Backend
 from .backends.local import LocalBackend
 from .metrics import Metrics, exposition
-from .middleware import ApiKey, BodyLimit, RequestMetrics
+from .middleware import ApiKey, BodyLimit, CancelOnDisconnect, RequestMetrics
 from .pipeline import Pipelines
 from .routers import attention, classify, expression, health, kserve, models
 from .settings import Settings
@@ -63,12 +64,13 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     async def root() -> dict:
         return {"name": "vitserve", "docs": "/docs", "models": "/models", "ready": "/health/ready"}
 
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics")
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=PlainTextResponse)
     async def prometheus(request: Request) -> Response:
         return Response(exposition(metrics), media_type=CONTENT_TYPE_LATEST)
 
     # the last added runs first: CORS answers preflights, metrics count every answer, the body limit comes
     # before the key (a refused key reads at most that much)
+    app.add_middleware(CancelOnDisconnect)
     if settings.api_key is not None:
         app.add_middleware(ApiKey, key=settings.api_key.get_secret_value())
     app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes)

@@ -11,6 +11,7 @@ request's future is resolved once all its images are done. Beyond queue_limit qu
 refused at once instead of growing the queue.
 """
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -20,8 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import ServiceError
 from .metrics import Metrics
 from .records import KINDS, Part
+
+log = logging.getLogger("vitserve")
 
 
 class QueueFull(Exception):
@@ -89,22 +93,30 @@ class Batcher:
         if self.depth + n > self.queue_limit:
             raise QueueFull(f"{self.name} has {self.depth} images queued; the limit is {self.queue_limit}")
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Request(records, top_k, jpegs, future, time.perf_counter(), left=n))
+        request = _Request(records, top_k, jpegs, future, time.perf_counter(), left=n)
+        future.add_done_callback(lambda f: f.cancelled() and self._abandon(request))
+        self._waiting.append(request)
         self.depth += n
         self.metrics.queue_depth.labels(self.name).set(self.depth)
         self._arrived.set()
         return future
 
+    def _abandon(self, request: _Request) -> None:
+        """Its caller went away (the client disconnected): what is not yet in a batch leaves the queue at once."""
+        if request in self._waiting:
+            self._waiting.remove(request)
+            self.depth -= len(request.records) - request.taken
+            self.metrics.queue_depth.labels(self.name).set(self.depth)
+
     async def _gather(self) -> list[tuple[_Request, Part]]:
         """Wait for a first image, then fill up until the batch is full, the first has waited long enough or no
-        more images are on their way. Requests abandoned by their callers are dropped."""
+        more images are on their way."""
         taken, room, deadline = [], self.max_batch_size, None
         while room:
             if self._waiting:
                 request = self._waiting[0]
-                if request.future.done():
-                    self._waiting.popleft()
-                    self.depth -= len(request.records) - request.taken
+                if request.future.cancelled():  # abandoned, its callback not yet run
+                    self._abandon(request)
                     continue
                 deadline = deadline or request.enqueued + self.max_queue_delay_s
                 n = min(room, len(request.records) - request.taken)
@@ -152,9 +164,12 @@ class Batcher:
             elapsed = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.run, parts, [w * 1e3 for w in waits])
         except Exception as e:  # a failed batch fails its requests, not the batcher
+            log.exception("%s: a batch of %d images failed", self.name, sum(p.size for p in parts))
+            failed = ServiceError(f"inference failed on this request's batch: {type(e).__name__}: {e}",
+                                  "inference_failed")
             for request, _ in taken:
                 if not request.future.done():
-                    request.future.set_exception(e)
+                    request.future.set_exception(failed)
             return
         finally:
             self._slots.release()

@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from .errors import BadInput, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
 
@@ -49,6 +50,11 @@ def install(app: FastAPI) -> None:
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error_response(422, "invalid_request", f"{where}: {first.get('msg')}".strip(": "),
                               path=request.url.path)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        log.debug("%s %s: the client left during the upload", request.method, request.url.path)
+        return error_response(499, "client_closed_request", "the client closed the connection", path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -1,4 +1,7 @@
-"""ASGI middleware: the request-body limit, the API key and per-route request metrics."""
+"""ASGI middleware: the request-body limit, the API key, cancelling what a departed client asked for, and
+per-route request metrics."""
+import asyncio
+import contextlib
 import hmac
 import time
 
@@ -70,6 +73,39 @@ class ApiKey:
         message = "wrong API key" if given else "this server needs an API key: send it in the X-API-Key header"
         await error_response(401, "unauthorized", message, {"WWW-Authenticate": 'APIKey header="X-API-Key"'},
                              path)(scope, receive, send)
+
+
+class CancelOnDisconnect:
+    """Cancels a request's handling when its client goes away once the body is in, so that its images leave the
+    batcher's queue instead of being computed for nobody (a client that leaves mid-upload fails the body read)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body_read = asyncio.Event()
+
+        async def tracked_receive():
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_read.set()
+            return message
+
+        handling = asyncio.ensure_future(self.app(scope, tracked_receive, send))
+
+        async def watch():
+            await body_read.wait()
+            if (await receive())["type"] == "http.disconnect":  # after the answer, uvicorn says so at once
+                handling.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await handling
+        finally:
+            watcher.cancel()
 
 
 class RequestMetrics:

@@ -98,12 +98,12 @@ def serve(settings: Settings, log_level: str = "info") -> int:
                     multiprocess.mark_process_dead(worker.pid)
                     workers[i] = start_worker()
     finally:
+        sock.close()  # with the workers' copies closing too, new connections are refused at once
         for worker in workers:  # drain: uvicorn finishes the requests it accepted
             worker.terminate()
         for worker in workers:
             worker.join()
         inference.terminate()
         inference.join()
-        sock.close()
         shutil.rmtree(folder, ignore_errors=True)
     return status

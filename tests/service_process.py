@@ -6,10 +6,12 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 import numpy as np
@@ -34,14 +36,15 @@ def free_port() -> int:
 def running_service(wait_ready: bool = True, **settings) -> Iterator[str]:
     """Yield the base URL of a service started with VITSERVE_<NAME> settings; stop it afterwards."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning"],
-                            cwd=ROOT, env=service_env(settings), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(url, "/health/ready" if wait_ready else "/health/live", proc)
-        yield url
-    finally:
-        stop(proc, 10)
+    with tempfile.TemporaryFile() as output:  # a file, not a pipe: a server that logs a lot never blocks on it
+        proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning"],
+                                cwd=ROOT, env=service_env(settings), stdout=output, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for(url, "/health/ready" if wait_ready else "/health/live", proc, output=output)
+            yield url
+        finally:
+            stop(proc, 10)
 
 
 @contextmanager
@@ -87,11 +90,16 @@ def wait_for_line(log: Path, text: str, proc: subprocess.Popen, timeout: float =
     raise TimeoutError(f"no {text!r} within {timeout}s:\n{log.read_text()}")
 
 
-def wait_for(url: str, path: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for(url: str, path: str, proc: subprocess.Popen, timeout: float = 120,
+             output: IO[bytes] | None = None) -> None:
+    """Until `path` answers 200; the process's output (its stdout pipe, or the file it writes to) if it exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the service exited with {proc.returncode}:\n{proc.stdout.read().decode()}")
+            if output is not None:
+                output.seek(0)
+            said = (output or proc.stdout).read().decode()
+            raise RuntimeError(f"the service exited with {proc.returncode}:\n{said}")
         try:
             if httpx.get(url + path, timeout=2).status_code == 200:
                 return

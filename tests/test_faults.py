@@ -1,15 +1,23 @@
 """Faults against a real server: a graph that does not match its manifest's sha256 and a graph that ONNX Runtime
-cannot load are reported in /models with the reason, and the other models serve."""
+cannot load are reported in /models with the reason, and the other models serve; a batch that ONNX Runtime fails
+on fails only its own requests; clients that go away mid-upload or mid-queue leave nothing behind."""
+import asyncio
 import json
 import shutil
+import socket
+import time
+from pathlib import Path
 
 import httpx
+import onnx
 import pytest
-from service_process import ROOT, direct_probabilities, photo_bytes, running_service
+from onnx import TensorProto, helper
+from service_process import ROOT, direct_probabilities, metric, photo_bytes, process_metrics, running_service
 
 from repository import sha256
 
 JPEG = photo_bytes("chelsea", "JPEG")
+DARK, BRIGHT = photo_bytes("coffee", "JPEG"), photo_bytes("astronaut", "JPEG")  # top-left pixel 40 / 177 as input
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +34,35 @@ def url(tmp_path_factory):
     manifest = json.loads((broken / "manifest.json").read_text())
     manifest["files"]["model"].update(sha256=sha256(broken / "model.onnx"), bytes=25)
     (broken / "manifest.json").write_text(json.dumps(manifest))
-    with running_service(model_repository=repo, warmup_runs=0) as base:
+    fragile(ROOT / "model_repository" / "shapes-vit", repo / "shapes-vit-fragile")
+    with running_service(model_repository=repo, warmup_runs=0, max_queue_delay_ms=200) as base:
         yield base
+
+
+def fragile(source: Path, target: Path) -> None:
+    """A copy of a model whose graph fails at run time on a batch holding an image whose top-left input pixel is
+    128 or brighter: that pixel indexes a 128-entry table (Gather out of bounds), and adds 0 to the logits."""
+    shutil.copytree(source, target)
+    graph = onnx.load(target / "model.onnx")
+    for node in graph.graph.node:
+        node.output[:] = ["logits_before" if o == "logits" else o for o in node.output]
+    graph.graph.initializer.extend([
+        helper.make_tensor("table", TensorProto.FLOAT, [128], [0.0] * 128),
+        helper.make_tensor("zeros4", TensorProto.INT64, [4], [0, 0, 0, 0]),
+        helper.make_tensor("ones3", TensorProto.INT64, [4], [2**62, 1, 1, 1]),
+        helper.make_tensor("column", TensorProto.INT64, [2], [-1, 1])])
+    graph.graph.node.extend([
+        helper.make_node("Slice", ["images", "zeros4", "ones3"], ["corner"]),
+        helper.make_node("Cast", ["corner"], ["index"], to=TensorProto.INT64),
+        helper.make_node("Reshape", ["index", "column"], ["indices"]),
+        helper.make_node("Gather", ["table", "indices"], ["nothing"]),
+        helper.make_node("Add", ["logits_before", "nothing"], ["logits"])])
+    onnx.save(graph, target / "model.onnx")
+    manifest = json.loads((target / "manifest.json").read_text())
+    manifest["name"] = target.name
+    graph_file = target / "model.onnx"
+    manifest["files"]["model"].update(sha256=sha256(graph_file), bytes=graph_file.stat().st_size)
+    (target / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_failed_models_are_listed_with_why_and_the_others_serve(url):
@@ -51,3 +86,46 @@ def test_requests_for_a_failed_model_get_a_clear_error_not_a_crash(url):
     assert httpx.get(f"{url}/health/live", timeout=10).status_code == 200
     # readiness: every model loaded or failed, and at least one serving
     assert httpx.get(f"{url}/health/ready", timeout=10).status_code == 200
+
+
+def test_a_batch_onnx_runtime_fails_on_fails_only_its_own_requests(url):
+    def classify(client: httpx.AsyncClient, image: bytes):
+        return client.post(f"{url}/classify", files={"file": ("a.jpg", image)}, params={"model": "shapes-vit-fragile"})
+
+    async def batches():
+        async with httpx.AsyncClient(timeout=30) as client:
+            together = await asyncio.gather(classify(client, DARK), classify(client, BRIGHT))  # one batch
+            after = await classify(client, DARK)
+            return together, after
+
+    together, after = asyncio.run(batches())
+    for r in together:
+        assert r.status_code == 500 and r.json()["error"]["code"] == "inference_failed", r.text
+        assert "Gather" in r.json()["error"]["message"]  # ONNX Runtime's own words
+    assert after.status_code == 200, after.text
+    want = direct_probabilities(ROOT / "model_repository" / "shapes-vit", DARK)
+    assert max(p["score"] for p in after.json()["results"][0]["predictions"]) == pytest.approx(want.max(), abs=1e-5)
+
+
+def test_clients_that_leave_mid_upload_or_mid_queue_leave_nothing_behind(url):
+    def open_fds() -> float:
+        return process_metrics(httpx.get(f"{url}/metrics", timeout=10).text)["process_open_fds"]
+
+    def images_done() -> float:
+        return metric(httpx.get(f"{url}/metrics", timeout=10).text, "vitserve_images_total", model="shapes-vit")
+
+    host, port = url.removeprefix("http://").split(":")
+    parts = b"".join(b"--b\r\nContent-Disposition: form-data; name=\"files\"; filename=\"a.jpg\"\r\n\r\n" + JPEG
+                     + b"\r\n" for _ in range(32)) + b"--b--\r\n"
+    head = ("POST /classify?model=shapes-vit HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+            f"boundary=b\r\nContent-Length: {len(parts)}\r\n\r\n").encode()
+    before, computed = open_fds(), images_done()
+    for sent in (parts[: len(parts) // 3], parts):  # gone a third into the upload; gone once it is queued
+        for _ in range(10):
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(head + sent)
+    time.sleep(1)
+    assert images_done() - computed < 320 / 2  # most of the 320 images were dropped, not run for nobody
+    ok = httpx.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)}, params={"model": "shapes-vit"}, timeout=30)
+    assert ok.status_code == 200, ok.text
+    assert open_fds() <= before + 2  # no connection, file or arena left open

@@ -7,6 +7,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import numpy as np
@@ -167,12 +168,15 @@ def test_ready_only_after_warm_up_and_sigterm_finishes_every_accepted_request(ba
                 pending = [asyncio.create_task(client.post(f"{base}/classify", files=files)) for _ in range(8)]
                 await asyncio.sleep(0.5)  # accepted and queued: 128 images, batches of 4
                 proc.send_signal(signal.SIGTERM)
-                return await asyncio.gather(*pending)
+                await asyncio.sleep(0.5)
+                with pytest.raises(httpx.ConnectError):  # refused at once, while the accepted ones finish
+                    httpx.get(f"{base}/health/ready", timeout=5)
+                return await asyncio.gather(*pending), time.monotonic()
 
-        responses = asyncio.run(requests_then_sigterm())
+        responses, answered = asyncio.run(requests_then_sigterm())
         assert [r.status_code for r in responses] == [200] * 8
         assert all(len(r.json()["results"]) == 16 for r in responses)
-        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has drained
+        assert proc.wait(30) == 0 and time.monotonic() - answered < 15  # a clean exit, soon after the last answer
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{base}/health/live")
     finally:

@@ -21,7 +21,7 @@ from repository import InputPolicy, ModelEntry, read_entry
 from service.batching import Batcher, QueueFull
 from service.cache import AttentionCache, AttentionRecord
 from service.decode import decode, model_input
-from service.errors import BadInput, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
+from service.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
 from service.metrics import Metrics
 from service.records import Part, record_dtype, top_k, write_results
 from service.runtime import CPU, CUDA, serving_plan
@@ -246,11 +246,26 @@ def test_batcher_refuses_beyond_its_queue_limit_and_skips_abandoned_requests():
     assert calls == [1] and result["logits"][0, 0] == 6
 
 
+def test_a_request_whose_client_left_leaves_the_queue_at_once():
+    async def main():
+        batcher = Batcher("m", lambda parts, queue_ms: 0.0, None, Metrics(), 4, 10.0, 8)  # not started: none taken
+        left = batcher.submit(images(*range(6)))
+        with pytest.raises(QueueFull):
+            batcher.submit(images(*range(4)))
+        left.cancel()  # what a disconnect does to the request's handling
+        await asyncio.sleep(0)
+        assert batcher.depth == 0
+        batcher.submit(images(*range(8)))  # the room is back
+
+    asyncio.run(main())
+
+
 def test_a_failed_batch_fails_its_requests_and_the_next_batch_runs():
     async def go(batcher):
         bad = batcher.submit(images(1))
-        with pytest.raises(RuntimeError, match="kaput"):
+        with pytest.raises(ServiceError, match="RuntimeError: kaput") as failed:
             await bad
+        assert failed.value.code == "inference_failed"
         good = images(3)
         await batcher.submit(good)
         return good
