@@ -26,6 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("model", help="a registry name (python -c 'import models; print(models.list_models())')")
     p.add_argument("--weights", type=Path, help="checkpoint: .pth/.pt (timm or official layout) or .safetensors")
     p.add_argument("--random-init", action="store_true", help="export untrained weights (benchmarks, tests)")
+    p.add_argument("--replace-head", action="store_true",
+                   help="--weights has other classes than --labels: keep its backbone, start a new (untrained) "
+                        "classifier; fine-tune it (python -m models.train --replace-head) before serving")
     p.add_argument("--num-classes", type=int, help="classes of the classifier (default: from the labels)")
     p.add_argument("--labels", type=Path, help="a file with one label per line, in class-index order")
     p.add_argument("--img-size", type=int, help="input size (default: the weights' or the model's)")

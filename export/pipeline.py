@@ -78,7 +78,7 @@ def build_model(args, labels: list[str], meta: dict) -> nn.Module:
     img_size = args.img_size or (int(meta["img_size"]) if "img_size" in meta else None)
     model = create_model(args.model, num_classes=len(labels), img_size=img_size)
     if args.weights:
-        load_weights(model, args.weights)
+        load_weights(model, args.weights, replace_head=args.replace_head)
     return model.eval()
 
 

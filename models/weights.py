@@ -85,7 +85,8 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True, rep
     if file_classes not in (None, model.num_classes) and not replace_head:
         raise WeightsError(
             f"{path}: the checkpoint's classifier has {file_classes} classes, the model {model.num_classes}; "
-            "pass replace_head=True (--replace-head) to train a new classifier")
+            "pass --replace-head (python -m models.train or python -m export; replace_head=True in Python) to "
+            "start a new classifier")
     if replace_head:
         state_dict = {k: v for k, v in state_dict.items() if k not in head}
         state_dict.update({k: v for k, v in expected.items() if k.startswith(head_prefixes)})

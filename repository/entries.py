@@ -45,6 +45,11 @@ class ModelEntry:
     def policy(self) -> InputPolicy:
         return InputPolicy.from_manifest(self.manifest["input"])
 
+    @property
+    def preprocessing(self) -> dict:
+        """How a photo becomes the model's input, as a client that sends tensors needs to know it."""
+        return {k: v for k, v in self.manifest["input"].items() if k not in ("name", "dtype", "layout")}
+
     def path(self, file: str = "model") -> Path:
         return self.folder / self.manifest["files"][file]["path"]
 
@@ -103,7 +108,10 @@ def scan(root: Path) -> tuple[list[ModelEntry], dict[str, str]]:
     if not root.is_dir():
         raise RepositoryError(f"no model repository at {root}")
     entries, problems = [], {}
-    for folder in sorted(p for p in root.iterdir() if (p / "manifest.json").is_file()):
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+        if not (folder / "manifest.json").is_file():
+            problems[folder.name] = "no manifest.json: not a model folder (python -m export writes one)"
+            continue
         try:
             entries.append(read_entry(folder))
         except (RepositoryError, OSError) as e:

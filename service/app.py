@@ -6,6 +6,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from . import http_errors
@@ -46,8 +47,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         await backend.close()
         pipelines.close()
 
-    app = FastAPI(
-        title="vitserve", version="0.1.0", lifespan=lifespan,
+    app = FastAPIOffline(  # /docs and /redoc with their scripts served from a package: nothing from a CDN
+        static_url="/docs/static", title="vitserve", version="0.1.0", lifespan=lifespan,
         # FastAPI's OpenTelemetry hooks ask for providers on every request; /metrics is Prometheus here
         telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
         description="Vision Transformer inference on ONNX Runtime: classification, facial expressions and "

@@ -91,7 +91,8 @@ class Batcher:
         written into all of them."""
         n = len(records)
         if self.depth + n > self.queue_limit:
-            raise QueueFull(f"{self.name} has {self.depth} images queued; the limit is {self.queue_limit}")
+            raise QueueFull(f"{self.name} is busy: {self.depth} images are queued, and this request's {n} would pass "
+                            f"its limit of {self.queue_limit}; retry later")
         future = asyncio.get_running_loop().create_future()
         request = _Request(records, top_k, jpegs, future, time.perf_counter(), left=n)
         future.add_done_callback(lambda f: f.cancelled() and self._abandon(request))

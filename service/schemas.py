@@ -36,6 +36,9 @@ class ModelInfo(BaseModel):
     task: str
     labels: list[str]
     input_size: list[int]
+    preprocessing: dict = Field(description="what is done to an upload before the model: short side resized to "
+                                            "resize_short_side (interpolation), centre crop of size [h, w], then "
+                                            "(x / 255 - mean) / std, which the graph itself does to uint8 `images`")
     precision: str = Field(description="the precision that runs: an fp32 model with an fp16 sibling runs the "
                                        "sibling's graph on CUDA")
     provider: str | None = Field(description="the ONNX Runtime provider it runs on, once loaded")

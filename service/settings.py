@@ -28,6 +28,8 @@ class Settings(BaseSettings):
                                                            "to fill, while other requests are still decoding")
     queue_limit: int = Field(256, ge=1, description="queued images per model beyond which requests get 503")
     request_timeout_s: float = Field(30.0, gt=0, description="longest wait for a result before 503")
+    access_log: bool = Field(True, description="a line per request (uvicorn's access log, at log level info); "
+                                               "off for the last bit of throughput")
     api_key: SecretStr | None = Field(None, description="if set, every route but health, metrics and the docs needs "
                                                         "it in the X-API-Key header (401 without it)")
     cors_origins: list[str] = Field([], description='origins whose browser pages may call the API, e.g. '

@@ -46,7 +46,7 @@ def worker_main(settings: Settings, sock: socket.socket, socket_path: Path, log_
     """One HTTP worker (multiprocessing, spawn): the whole app over a ProcessBackend."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s worker %(process)d: %(message)s")
     app = create_app(settings, ProcessBackend(settings, socket_path))
-    config = uvicorn.Config(app, log_level=log_level, access_log=False,
+    config = uvicorn.Config(app, log_level=log_level, access_log=settings.access_log,
                             timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
     uvicorn.Server(config).run(sockets=[sock])
 

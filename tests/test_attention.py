@@ -10,6 +10,7 @@ import torch
 from matplotlib import colormaps
 from PIL import Image
 from service_process import ROOT, photo_bytes, running_service
+from skimage import data as photos
 
 import models
 from models.data import normalise as torch_normalise
@@ -195,6 +196,16 @@ def test_post_attention_map_for_swin_and_clear_errors(url):
     ]
     for response, status, code in errors:
         assert response.status_code == status and response.json()["error"]["code"] == code, response.text
+
+
+def test_a_large_uploads_map_is_bounded_in_pixels(url):
+    big = Image.fromarray(photos.astronaut()).resize((3000, 2000))  # a large PNG: decoded whole, unlike a JPEG
+    buf = io.BytesIO()
+    big.save(buf, format="PNG", compress_level=1)
+    for params, side in (({}, 1024), ({"max_side": 300}, 300)):
+        r = httpx.post(f"{url}/attention-map", files={"file": ("big.png", buf.getvalue())}, params=params, timeout=60)
+        assert r.status_code == 200, r.text
+        assert Image.open(io.BytesIO(r.content)).size == (side, round(side * 2 / 3))
 
 
 def test_cache_is_bounded_and_old_ids_expire_with_a_clear_404(url):

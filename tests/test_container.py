@@ -131,6 +131,7 @@ def test_the_cpu_image_serves_every_route_as_a_direct_session_and_stops_cleanly(
         podman("rm", "--force", name)
     assert stopped.returncode == 0 and state["ExitCode"] == 0, logs.stdout[-2000:] + logs.stderr[-2000:]
     assert "Application shutdown complete" in logs.stdout + logs.stderr
+    assert '"POST /classify?model=shapes-swin&top_k=6&attention=true HTTP/1.1" 200' in logs.stdout + logs.stderr
 
 
 @pytest.mark.slow

@@ -146,7 +146,14 @@ def test_failures_are_clear_and_leave_nothing_behind(repo, tmp_path, capsys):
         export_main([MICRO["vit"], "--out", str(out)])
     with pytest.raises(SystemExit, match="does not fit swin_micro_patch4_window6_96"):
         export_main([MICRO["swin"], "--weights", str(repo / "vit.safetensors"), "--out", str(out)])
+    labels = tmp_path / "labels.txt"
+    labels.write_text("cat\ndog\nfox\n")
+    three = [MICRO["vit"], "--weights", str(repo / "vit.safetensors"), "--labels", str(labels), "--out", str(out)]
+    with pytest.raises(SystemExit, match="classifier has 6 classes, the model 3; pass --replace-head"):
+        export_main(three)
     assert list(out.iterdir()) == []  # no half-written model folder, hidden or not
     (tmp_path / "a-file").write_text("")
     with pytest.raises(SystemExit, match="cannot write to"):
         export_main([MICRO["vit"], "--random-init", "--out", str(tmp_path / "a-file" / "repo")])
+    export_main(three + ["--replace-head", "--name", "three", "--no-explain"])  # the backbone, a new classifier
+    assert manifest(out, "three")["labels"] == ["cat", "dog", "fox"]

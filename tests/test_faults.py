@@ -35,6 +35,8 @@ def url(tmp_path_factory):
     manifest["files"]["model"].update(sha256=sha256(broken / "model.onnx"), bytes=25)
     (broken / "manifest.json").write_text(json.dumps(manifest))
     fragile(ROOT / "model_repository" / "shapes-vit", repo / "shapes-vit-fragile")
+    (repo / "notes").mkdir()  # a stray folder: listed with why
+    (repo / ".cache").mkdir()  # a hidden one: not a candidate
     with running_service(model_repository=repo, warmup_runs=0, max_queue_delay_ms=200) as base:
         yield base
 
@@ -68,6 +70,7 @@ def fragile(source: Path, target: Path) -> None:
 def test_failed_models_are_listed_with_why_and_the_others_serve(url):
     listed = httpx.get(f"{url}/models", timeout=10).json()
     assert "does not match the sha256" in listed["not_served"]["shapes-deit"]
+    assert "no manifest.json" in listed["not_served"]["notes"] and ".cache" not in listed["not_served"]
     models = {m["name"]: m for m in listed["models"]}
     assert models["shapes-vit"]["ready"] and models["shapes-vit"]["error"] is None
     assert not models["shapes-swin"]["ready"] and models["shapes-swin"]["error"]

@@ -65,7 +65,7 @@ def test_workers_share_one_inference_process_its_batches_and_its_attention_resul
                 await asyncio.sleep(0.005)
                 waits = asyncio.create_task(first.run("shapes-deit", queued, 1))  # waits for it: the queue is full
                 await asyncio.sleep(0.002)
-                with pytest.raises(Unavailable, match="limit is 8") as e:
+                with pytest.raises(Unavailable, match="would pass its limit of 8") as e:
                     await second.run("shapes-deit", refused, 1)
                 assert e.value.code == "overloaded" and e.value.retry_after_s == 1
                 await asyncio.gather(busy, waits)
@@ -142,7 +142,7 @@ def test_metrics_add_up_over_all_processes(url):  # 8 requests: never more than 
 def test_a_full_queue_gets_503_with_retry_after_and_bad_input_a_clear_4xx(url):
     full = classify(url, *[(f"{i}.jpg", JPEG) for i in range(9)])
     assert full.status_code == 503 and full.headers["Retry-After"] == "1"
-    assert "limit is 8" in full.json()["error"]["message"]
+    assert "would pass its limit of 8" in full.json()["error"]["message"]
     bad = classify(url, ("notes.txt", b"just some text"))
     assert bad.status_code == 415 and bad.json()["error"]["code"] == "unsupported_media_type"
     assert classify(url, ("a.jpg", JPEG)).status_code == 200

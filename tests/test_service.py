@@ -2,6 +2,7 @@
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -114,6 +115,8 @@ def test_models_lists_every_model_with_provider_and_readiness(url):
         assert m["ready"] and m["provider"] == "CPUExecutionProvider" and m["error"] is None
     assert names["shapes-vit-int8"]["precision"] == "int8" and names["expression-vit"]["task"] == "expression"
     assert names["shapes-deit"]["explain"] and not names["shapes-swin"]["explain"]
+    assert names["expression-vit"]["preprocessing"]["interpolation"] == "bicubic"
+    assert names["expression-vit"]["preprocessing"]["size"] == [112, 112]
 
 
 def test_batches_form_under_concurrent_requests_and_metrics_move(url):
@@ -150,6 +153,8 @@ def test_tritonclient_round_trip_on_v2(url, binary):
     meta = client.get_model_metadata("shapes-deit")
     assert meta["inputs"] == [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, 96, 96]},
                               {"name": "images", "datatype": "UINT8", "shape": [-1, 96, 96, 3]}]
+    pre = meta["parameters"]["preprocessing"]  # what a client needs to make pixel_values from a photo
+    assert pre["resize_short_side"] == 96 and pre["size"] == [96, 96] and len(pre["mean"]) == len(pre["std"]) == 3
     x = np.random.default_rng(0).standard_normal((3, 3, 96, 96)).astype(np.float32)
     inp = triton.InferInput("pixel_values", list(x.shape), "FP32")
     inp.set_data_from_numpy(x, binary_data=binary)
@@ -185,11 +190,20 @@ def test_v2_rejects_malformed_tensors(url):
     assert r.status_code == 400 and "takes [-1, 3, 96, 96]" in r.json()["error"]  # the protocol's error shape
     bad["inputs"][0]["datatype"] = "INT64"
     r = httpx.post(f"{url}/v2/models/shapes-vit/infer", json=bad)
-    assert r.status_code == 400 and "FP32 [-1, 3, 96, 96] or UINT8 [-1, 96, 96, 3]" in r.json()["error"]
+    takes = "'pixel_values' FP32 [-1, 3, 96, 96] or 'images' UINT8 [-1, 96, 96, 3]"
+    assert r.status_code == 400 and takes in r.json()["error"]
+    renamed = {"inputs": [{**bad["inputs"][0], "name": "input__0", "datatype": "FP32", "shape": [1, 3, 96, 96],
+                           "data": [0.0] * 3 * 96 * 96}]}  # right shape and type, a name the model lacks
+    r = httpx.post(f"{url}/v2/models/shapes-vit/infer", json=renamed)
+    assert r.status_code == 400 and "'input__0' FP32" in r.json()["error"] and takes in r.json()["error"]
 
 
-def test_openapi_docs_describe_the_routes(url):
-    assert httpx.get(f"{url}/docs").status_code == 200
+def test_openapi_docs_describe_the_routes_and_load_nothing_from_elsewhere(url):
+    for page in ("/docs", "/redoc"):
+        html = httpx.get(f"{url}{page}").text
+        assets = re.findall(r'(?:src|href)="([^"]+)"', html) + re.findall(r"url: '([^']+)'", html)
+        assert assets and all(a.startswith("/") for a in assets), assets  # no CDN: works offline
+        assert all(httpx.get(f"{url}{a}").status_code == 200 for a in assets if a != "/openapi.json")
     spec = httpx.get(f"{url}/openapi.json").json()
     assert {"/classify", "/models", "/health/ready", "/v2/models/{name}/infer"} <= set(spec["paths"])
     assert "curl -F file=@cat.jpg" in spec["paths"]["/classify"]["post"]["description"]
@@ -207,7 +221,7 @@ def test_readiness_waits_for_warm_up_and_a_full_queue_gets_503():
             time.sleep(0.1)
         full = classify(base, ("a.jpg", JPEG), ("b.jpg", JPEG), ("c.jpg", JPEG), field="files")
         assert full.status_code == 503 and full.headers["Retry-After"] == "1"
-        assert "limit is 2" in full.json()["error"]["message"]
+        assert "would pass its limit of 2" in full.json()["error"]["message"]
         assert classify(base, ("a.jpg", JPEG)).status_code == 200
 
 

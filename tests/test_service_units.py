@@ -233,7 +233,7 @@ def test_a_partial_batch_waits_only_while_another_request_is_preparing_and_at_mo
 
 def test_batcher_refuses_beyond_its_queue_limit_and_skips_abandoned_requests():
     async def go(batcher):
-        with pytest.raises(QueueFull, match="limit is 3"):
+        with pytest.raises(QueueFull, match="this request's 4 would pass its limit of 3"):
             batcher.submit(images(1, 2, 3, 4))
         abandoned = batcher.submit(images(1, 2))
         kept = images(3)

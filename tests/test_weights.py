@@ -63,7 +63,7 @@ def test_wrong_architecture_names_the_first_mismatching_key(tmp_path):
 
 def test_other_class_count_needs_replace_head(tmp_path):
     save_file(timm_weights("deit_tiny_patch16_224"), tmp_path / "in1k.safetensors")
-    with pytest.raises(WeightsError, match="1000 classes, the model 7; pass replace_head=True"):
+    with pytest.raises(WeightsError, match="1000 classes, the model 7; pass --replace-head"):
         load_weights(models.create_model("deit_tiny_patch16_224", num_classes=7), tmp_path / "in1k.safetensors")
 
     model = models.create_model("deit_tiny_patch16_224", num_classes=7)

@@ -31,9 +31,10 @@ class MapOptions:
         overlay: bool = Query(True, description="PNG: over the photo, or the heat map alone"),
         alpha: float = Query(0.5, ge=0.0, le=1.0, description="PNG overlay opacity"),
         colormap: str = Query("jet", description="jet, turbo, viridis, inferno, magma, gray"),
+        max_side: int = Query(1024, ge=16, le=8192, description="PNG: its longest side at most this many pixels"),
     ):
         self.method, self.head, self.token, self.format = method, head, token, format
-        self.overlay, self.alpha, self.colormap = overlay, alpha, colormap
+        self.overlay, self.alpha, self.colormap, self.max_side = overlay, alpha, colormap, max_side
 
 
 async def render(pipeline: Pipeline, record: AttentionRecord, options: MapOptions, extra: dict | None = None,
@@ -55,8 +56,9 @@ async def render(pipeline: Pipeline, record: AttentionRecord, options: MapOption
             "grid_size": list(grid.shape), "grid": np.round(grid.astype(np.float64), 4).tolist(),
             "image_size": list(record.size), "crop_box": [round(v * s, 2) for v, s in zip(box, (sx, sy, sx, sy))],
             **(extra or {})}, headers)
+    photo, box = maps.fit_within(record.photo, box, options.max_side)
     png = await asyncio.get_running_loop().run_in_executor(
-        None, maps.render_png, record.photo, grid, box, options.overlay, options.alpha, options.colormap)
+        None, maps.render_png, photo, grid, box, options.overlay, options.alpha, options.colormap)
     return Response(png, media_type="image/png", headers=headers)
 
 

@@ -42,13 +42,13 @@ def parse_request(body: bytes, header_length: str | None, inputs: list[dict]) ->
     try:
         header = json.loads(body[:json_end])
         (tensor,) = header["inputs"]
-        shape, datatype = [int(d) for d in tensor["shape"]], tensor["datatype"]
+        name, shape, datatype = tensor["name"], [int(d) for d in tensor["shape"]], tensor["datatype"]
     except (ValueError, KeyError, TypeError):
         raise BadInput("expected a JSON body with exactly one input tensor {name, shape, datatype, data}") from None
-    wanted = next((i for i in inputs if i["datatype"] == datatype), None)
-    if wanted is None:
-        raise BadInput(f"input datatype {datatype}; this model takes "
-                       + " or ".join(f"{i['datatype']} {i['shape']}" for i in inputs))
+    wanted = next((i for i in inputs if i["name"] == name), None)
+    if wanted is None or wanted["datatype"] != datatype:
+        raise BadInput(f"input {name!r} {datatype}; this model takes "
+                       + " or ".join(f"{i['name']!r} {i['datatype']} {i['shape']}" for i in inputs))
     if len(shape) != 4 or shape[1:] != wanted["shape"][1:] or shape[0] < 1:
         raise BadInput(f"input shape {shape}; this model takes {wanted['shape']} for {datatype}")
     count, dtype = int(np.prod(shape)), DATATYPES[datatype]
@@ -126,6 +126,7 @@ def model_metadata(pipeline: Pipeline) -> dict:
     h, w = m["input"]["size"]
     return {
         "name": pipeline.name, "versions": ["1"], "platform": "onnxruntime_onnx",
+        "parameters": {"preprocessing": pipeline.entry.preprocessing},  # how to make `pixel_values` from a photo
         "inputs": [{"name": m["tensor_input"]["name"], "datatype": "FP32", "shape": [-1, 3, h, w]},
                    {"name": m["input"]["name"], "datatype": "UINT8", "shape": [-1, h, w, 3]}],
         "outputs": [{"name": o["name"], "datatype": "FP32", "shape": [-1 if d == "batch" else d for d in o["shape"]]}

@@ -47,7 +47,8 @@ def parse_multipart(body: bytes, content_type: str) -> list[tuple[str, str | Non
 
 
 async def read_images(request: Request, fields: tuple[str, ...], max_files: int) -> list[tuple[str | None, bytes]]:
-    """The (filename, bytes) of the parts named one of `fields`, in order."""
+    """The (filename, bytes) of the parts named one of `fields`, in order: every such part is an image (on routes
+    that take one, a second is an error, not silently dropped). No image at all is 400 on every route."""
     content_type = request.headers.get("content-type", "")
     body = await request.body()
     parts = parse_multipart(body, content_type) if body or "multipart" in content_type else []
@@ -55,6 +56,8 @@ async def read_images(request: Request, fields: tuple[str, ...], max_files: int)
     if not images:
         raise BadInput(f"send an image as the multipart field '{fields[0]}'"
                        + (f" (or several as '{fields[1]}')" if len(fields) > 1 else ""), "no_image")
+    if max_files == 1 and len(images) > 1:
+        raise BadInput(f"{len(images)} '{fields[0]}' parts; this route takes one image per request", "one_image")
     if len(images) > max_files:
         raise TooLarge(f"{len(images)} images in one request; the limit is {max_files}", "too_many_files")
     return images
