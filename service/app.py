@@ -2,10 +2,11 @@
 import gc
 import logging
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -19,6 +20,7 @@ from .routers import attention, classify, expression, health, kserve, models
 from .settings import Settings
 
 log = logging.getLogger("vitserve")
+DEMO_PAGE = (Path(__file__).parent / "static" / "index.html").read_text()
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None, start_when_loaded: bool = False,
@@ -62,8 +64,11 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         app.include_router(router)
 
     @app.get("/", include_in_schema=False)
-    async def root() -> dict:
-        return {"name": "vitserve", "docs": "/docs", "models": "/models", "ready": "/health/ready"}
+    async def root(request: Request) -> Response:
+        """The demo page for a browser; where things are for anything else (curl, scripts)."""
+        if "text/html" in request.headers.get("accept", ""):
+            return HTMLResponse(DEMO_PAGE)
+        return JSONResponse({"name": "vitserve", "docs": "/docs", "models": "/models", "ready": "/health/ready"})
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=PlainTextResponse)
     async def prometheus(request: Request) -> Response:

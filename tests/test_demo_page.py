@@ -1,0 +1,72 @@
+"""The demo page at / in a real browser (headless Debian Chromium, driven by Playwright) against a real server:
+a photograph's predictions and attention overlay, a face box where the astronaut's face is, and a readable
+error for a non-image. Skips with the reason where Chromium or Playwright is missing (.ci/run installs
+Chromium; the `test` extra, Playwright). Saves build/demo-page.png, the README's picture."""
+import shutil
+
+import httpx
+import pytest
+from service_process import ROOT, photo_bytes, running_service
+
+playwright = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (the `test` extra)")
+CHROMIUM = shutil.which("chromium")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (.ci/run: apt-get install chromium)")
+# the flags a root, offline machine needs: no sandbox, no GPU, no calls home
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", "--no-first-run", "--disable-quic"]
+ASTRONAUT_FACE = (182, 70, 90, 92)  # as in test_expression.py: checked by eye once
+
+
+@pytest.fixture(scope="module")
+def url():
+    with running_service() as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def page(url):
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 390, "height": 844})  # a phone's screen
+        page.goto(f"{url}/")
+        page.wait_for_function("document.getElementById('model').options.length > 0")
+        yield page
+        browser.close()
+
+
+def upload(page, tmp_path, name: str, data: bytes) -> None:
+    path = tmp_path / name
+    path.write_bytes(data)
+    page.set_input_files("#file", str(path))
+
+
+def test_a_photo_gets_its_top_five_and_the_attention_overlay(url, page, tmp_path):
+    jpeg = photo_bytes("chelsea", "JPEG")
+    page.select_option("#model", "shapes-deit")
+    upload(page, tmp_path, "chelsea.jpg", jpeg)
+    page.wait_for_function("document.querySelectorAll('#predictions li').length === 5")
+    page.wait_for_function("document.getElementById('photo').dataset.kind === 'attention-map'"
+                           " && document.getElementById('photo').naturalWidth > 0")
+    api = httpx.post(f"{url}/classify", files={"file": ("chelsea.jpg", jpeg)}, params={"model": "shapes-deit"})
+    assert page.locator("#predictions .label").first.inner_text() == api.json()["results"][0]["predictions"][0]["label"]
+    assert page.is_visible("#token")  # distilled DeiT: its two tokens can be chosen
+    (ROOT / "build").mkdir(exist_ok=True)
+    page.screenshot(path=str(ROOT / "build" / "demo-page.png"), full_page=True)
+
+
+def test_the_astronaut_gets_one_face_box_where_her_face_is(page, tmp_path):
+    page.select_option("#model", "expression-vit")
+    upload(page, tmp_path, "astronaut.jpg", photo_bytes("astronaut", "JPEG"))
+    page.wait_for_selector(".face")
+    assert page.locator(".face").count() == 1
+    x, y, w, h = (int(v) for v in page.locator(".face").get_attribute("data-box").split(","))
+    fx, fy, fw, fh = ASTRONAUT_FACE
+    overlap = max(0, min(x + w, fx + fw) - max(x, fx)) * max(0, min(y + h, fy + fh) - max(y, fy))
+    assert overlap / (w * h + fw * fh - overlap) >= 0.5
+    assert page.locator(".face").bounding_box()["width"] > 20  # drawn over the picture, not just in the DOM
+
+
+def test_a_non_image_shows_the_servers_message(page, tmp_path):
+    upload(page, tmp_path, "notes.txt", b"just some text")
+    page.wait_for_selector("#error", state="visible")
+    assert "not an image" in page.inner_text("#error")
