@@ -91,8 +91,29 @@ def build_response(pipeline: Pipeline, header: dict, outputs: dict[str, np.ndarr
                     headers={HEADER_LENGTH: str(len(encoded))})
 
 
-@router.post("/models/{name}/infer")
-@router.post("/models/{name}/versions/{version_}/infer")
+INFER = {"summary": "Run the model on one input tensor",
+         "description": "JSON `{\"inputs\": [{\"name\", \"shape\", \"datatype\", \"data\"}], \"outputs\": [...]}`, or "
+                        "the binary tensor extension (raw bytes after the JSON, its length in the "
+                        "Inference-Header-Content-Length header). Inputs: `pixel_values` FP32 [B, 3, H, W], "
+                        "normalised as `parameters.preprocessing` of the model metadata says, or `images` UINT8 "
+                        "[B, H, W, 3] (the graph normalises). Outputs: logits and the attention outputs. "
+                        "`tritonclient.http` works as is.",
+         "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+             "type": "object", "required": ["inputs"], "properties": {
+                 "inputs": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+                     "type": "object", "required": ["name", "shape", "datatype"], "properties": {
+                         "name": {"type": "string", "example": "images"},
+                         "shape": {"type": "array", "items": {"type": "integer"}, "example": [1, 96, 96, 3]},
+                         "datatype": {"type": "string", "enum": ["FP32", "UINT8"]},
+                         "data": {"type": "array", "items": {"type": "number"}},
+                         "parameters": {"type": "object"}}}},
+                 "outputs": {"type": "array", "items": {"type": "object", "properties": {
+                     "name": {"type": "string"}, "parameters": {"type": "object"}}}},
+                 "parameters": {"type": "object"}, "id": {"type": "string"}}}}}}}}
+
+
+@router.post("/models/{name}/infer", **INFER)
+@router.post("/models/{name}/versions/{version_}/infer", **INFER)
 async def infer(request: Request, name: str, version_: str | None = None) -> Response:
     _model(request, name, version_)
     pipeline = _pipelines(request).get(name)
@@ -107,12 +128,12 @@ async def server_metadata() -> dict:
     return {"name": "vitserve", "version": version("vitserve"), "extensions": ["binary_tensor_data"]}
 
 
-@router.get("/health/live")
+@router.get("/health/live", summary="200 while the server runs")
 async def live() -> dict:
     return {"live": True}
 
 
-@router.get("/health/ready")
+@router.get("/health/ready", summary="200 once every model is loaded or failed and one serves, 400 before")
 async def ready(request: Request) -> dict:
     if not _pipelines(request).ready:
         raise BadInput("the server is still loading its models", "not_ready")  # v2: 4xx means false
@@ -134,14 +155,15 @@ def model_metadata(pipeline: Pipeline) -> dict:
     }
 
 
-@router.get("/models/{name}")
-@router.get("/models/{name}/versions/{version_}")
+@router.get("/models/{name}", summary="Model metadata: inputs, outputs and preprocessing")
+@router.get("/models/{name}/versions/{version_}", summary="Model metadata: inputs, outputs and preprocessing")
 async def metadata(request: Request, name: str, version_: str | None = None) -> dict:
     return model_metadata(_model(request, name, version_))
 
 
-@router.get("/models/{name}/ready")
-@router.get("/models/{name}/versions/{version_}/ready")
+@router.get("/models/{name}/ready", summary="200 once this model serves, 400 before or after it failed")
+@router.get("/models/{name}/versions/{version_}/ready", summary="200 once this model serves, 400 before or after it "
+                                                                  "failed")
 async def model_ready(request: Request, name: str, version_: str | None = None) -> dict:
     status = _pipelines(request).backend.status()[_model(request, name, version_).name]
     if not status.ready:
