@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -69,3 +71,9 @@ def test_distilled_model_returns_both_heads_only_when_distilling():
     cls_logits, dist_logits = model(x)
     model.eval()
     torch.testing.assert_close(model(x), (model.head(model.forward_features(x)[:, 0]) + model.head_dist(model.forward_features(x)[:, 1])) / 2)
+
+
+def test_the_shipped_imagenet_labels_are_the_1000_classes_in_index_order():
+    labels = (Path(models.__file__).parent / "imagenet_1k_labels.txt").read_text().splitlines()
+    assert len(labels) == 1000 and all(labels)
+    assert labels[0].startswith("tench") and labels[281] == "tabby, tabby cat" and labels[999].startswith("toilet")
