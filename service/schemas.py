@@ -25,6 +25,15 @@ class ImageResult(BaseModel):
 
 
 class ClassifyResponse(BaseModel):
+    model_config = {"json_schema_extra": {"examples": [{
+        "model": "shapes-deit",
+        "results": [{"id": "3f2b9c0e4d6a4f1b8e7c5a2d9b0c1e3f", "filename": "shape.png",
+                     "predictions": [{"label": "star", "index": 3, "score": 0.9731},
+                                     {"label": "cross", "index": 4, "score": 0.0112}],
+                     "batch_size": 8, "timings_ms": {"decode_ms": 1.9, "queue_ms": 2.4, "inference_ms": 6.1,
+                                                     "total_ms": 11.2},
+                     "attention_map_url": "/attention-map?id=3f2b9c0e4d6a4f1b8e7c5a2d9b0c1e3f"}]}]}}
+
     model: str
     results: list[ImageResult]
 
@@ -76,6 +85,15 @@ class ExpressionTimings(BaseModel):
 
 
 class ExpressionResponse(BaseModel):
+    model_config = {"json_schema_extra": {"examples": [{
+        "model": "expression-vit", "image_size": [512, 512],
+        "faces": [{"id": "9c1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f", "box": [176, 65, 96, 96], "expression": "happiness",
+                   "score": 0.91, "probabilities": {"surprise": 0.02, "fear": 0.01, "disgust": 0.01,
+                                                    "happiness": 0.91, "sadness": 0.01, "anger": 0.01,
+                                                    "neutral": 0.03},
+                   "batch_size": 1, "attention_map_url": None}],
+        "timings_ms": {"decode_detect_ms": 14.2, "queue_ms": 0.3, "inference_ms": 2.8, "total_ms": 18.0}}]}}
+
     model: str
     image_size: list[int] = Field(description="[width, height] after EXIF rotation")
     faces: list[Face]

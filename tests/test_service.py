@@ -207,6 +207,12 @@ def test_openapi_docs_describe_the_routes_and_load_nothing_from_elsewhere(url):
     spec = httpx.get(f"{url}/openapi.json").json()
     assert {"/classify", "/models", "/health/ready", "/v2/models/{name}/infer"} <= set(spec["paths"])
     assert "curl -F file=@cat.jpg" in spec["paths"]["/classify"]["post"]["description"]
+    assert all(spec["components"]["schemas"][name]["examples"] for name in ("ClassifyResponse", "ExpressionResponse"))
+    for path, operations in spec["paths"].items():  # no stray parameters: a route lists only what it takes
+        for operation in operations.values():
+            params = operation.get("parameters", [])
+            assert {p["name"] for p in params if p["in"] == "path"} == set(re.findall(r"{(\w+)}", path)), path
+            assert "version_" not in {p["name"] for p in params if p["in"] == "query"}, path
 
 
 def test_readiness_waits_for_warm_up_and_a_full_queue_gets_503():

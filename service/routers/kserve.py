@@ -113,8 +113,12 @@ INFER = {"summary": "Run the model on one input tensor",
 
 
 @router.post("/models/{name}/infer", **INFER)
+async def infer(request: Request, name: str) -> Response:
+    return await infer_version(request, name, None)
+
+
 @router.post("/models/{name}/versions/{version_}/infer", **INFER)
-async def infer(request: Request, name: str, version_: str | None = None) -> Response:
+async def infer_version(request: Request, name: str, version_: str | None) -> Response:
     _model(request, name, version_)
     pipeline = _pipelines(request).get(name)
     header, batch = parse_request(await request.body(), request.headers.get(HEADER_LENGTH),
@@ -155,16 +159,28 @@ def model_metadata(pipeline: Pipeline) -> dict:
     }
 
 
-@router.get("/models/{name}", summary="Model metadata: inputs, outputs and preprocessing")
-@router.get("/models/{name}/versions/{version_}", summary="Model metadata: inputs, outputs and preprocessing")
-async def metadata(request: Request, name: str, version_: str | None = None) -> dict:
+METADATA = {"summary": "Model metadata: inputs, outputs and preprocessing"}
+READY = {"summary": "200 once this model serves, 400 before or after it failed"}
+
+
+# each route once with and once without its version, so that neither lists a parameter it does not have
+@router.get("/models/{name}", **METADATA)
+async def metadata(request: Request, name: str) -> dict:
+    return await metadata_version(request, name, None)
+
+
+@router.get("/models/{name}/versions/{version_}", **METADATA)
+async def metadata_version(request: Request, name: str, version_: str | None) -> dict:
     return model_metadata(_model(request, name, version_))
 
 
-@router.get("/models/{name}/ready", summary="200 once this model serves, 400 before or after it failed")
-@router.get("/models/{name}/versions/{version_}/ready", summary="200 once this model serves, 400 before or after it "
-                                                                  "failed")
-async def model_ready(request: Request, name: str, version_: str | None = None) -> dict:
+@router.get("/models/{name}/ready", **READY)
+async def model_ready(request: Request, name: str) -> dict:
+    return await model_ready_version(request, name, None)
+
+
+@router.get("/models/{name}/versions/{version_}/ready", **READY)
+async def model_ready_version(request: Request, name: str, version_: str | None) -> dict:
     status = _pipelines(request).backend.status()[_model(request, name, version_).name]
     if not status.ready:
         raise BadInput(f"{name} is not ready" + (f": {status.error}" if status.error else ""), "not_ready")
