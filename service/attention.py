@@ -101,9 +101,10 @@ def fit_within(photo: np.ndarray, box: tuple[float, float, float, float],
 
 
 def render_png(photo: np.ndarray, grid: np.ndarray, box: tuple[float, float, float, float], overlay: bool,
-               alpha: float, cmap: str) -> bytes:
+               alpha: float, cmap: str, max_side: int) -> bytes:
     """The grid upsampled (bilinear) over the region the model saw (`box`, in the photo's pixels), coloured,
-    over the photo (uint8 [h, w, 3]) or alone."""
+    over the photo (uint8 [h, w, 3]) or alone, its longest side at most `max_side`."""
+    photo, box = fit_within(photo, box, max_side)
     lut = colormap(cmap)
     x0, y0, x1, y1 = (round(v) for v in box)
     heat = Image.fromarray(grid.astype(np.float32), mode="F").resize((x1 - x0, y1 - y0), Image.BILINEAR)

@@ -1,7 +1,6 @@
 """ASGI middleware: the request-body limit, the API key, cancelling what a departed client asked for, and
 per-route request metrics."""
 import asyncio
-import contextlib
 import hmac
 import time
 
@@ -94,16 +93,21 @@ class CancelOnDisconnect:
             return message
 
         handling = asyncio.ensure_future(self.app(scope, tracked_receive, send))
+        gone = False
 
         async def watch():
+            nonlocal gone
             await body_read.wait()
             if (await receive())["type"] == "http.disconnect":  # after the answer, uvicorn says so at once
+                gone = True
                 handling.cancel()
 
         watcher = asyncio.ensure_future(watch())
         try:
-            with contextlib.suppress(asyncio.CancelledError):
-                await handling
+            await handling
+        except asyncio.CancelledError:
+            if not gone:  # cancelled from outside (shutdown), not by the client leaving: pass it on
+                raise
         finally:
             watcher.cancel()
 

@@ -56,9 +56,9 @@ async def render(pipeline: Pipeline, record: AttentionRecord, options: MapOption
             "grid_size": list(grid.shape), "grid": np.round(grid.astype(np.float64), 4).tolist(),
             "image_size": list(record.size), "crop_box": [round(v * s, 2) for v, s in zip(box, (sx, sy, sx, sy))],
             **(extra or {})}, headers)
-    photo, box = maps.fit_within(record.photo, box, options.max_side)
-    png = await asyncio.get_running_loop().run_in_executor(
-        None, maps.render_png, photo, grid, box, options.overlay, options.alpha, options.colormap)
+    png = await asyncio.get_running_loop().run_in_executor(  # scaling and encoding: off the event loop
+        None, maps.render_png, record.photo, grid, box, options.overlay, options.alpha, options.colormap,
+        options.max_side)
     return Response(png, media_type="image/png", headers=headers)
 
 

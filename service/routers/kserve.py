@@ -28,7 +28,7 @@ def _pipelines(request: Request) -> Pipelines:
     return request.app.state.pipelines
 
 
-def _model(request: Request, name: str, version_: str | None = None) -> Pipeline:
+def _model(request: Request, name: str, version_: str | None) -> Pipeline:
     pipelines = _pipelines(request)
     if name not in pipelines.pipelines or version_ not in (None, "1"):
         raise NotFound(f"no model {name!r}" + (f" version {version_}" if version_ else ""), "model_not_found")

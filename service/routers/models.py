@@ -12,7 +12,8 @@ def model_info(pipeline: Pipeline, status: ModelStatus) -> ModelInfo:
     m = pipeline.entry.manifest
     return ModelInfo(
         name=pipeline.name, architecture=m["architecture"], family=m["family"], task=m["task"], labels=m["labels"],
-        input_size=m["input"]["size"], preprocessing=pipeline.entry.preprocessing, precision=status.precision or m["precision"], provider=status.provider,
+        input_size=m["input"]["size"], preprocessing=pipeline.entry.preprocessing,
+        precision=status.precision or m["precision"], provider=status.provider,
         graph=status.graph, decode=status.decode, ready=status.ready, error=status.error,
         attention=m["attention"], explain=pipeline.entry.has("explain"), parity=m["parity"])
 
