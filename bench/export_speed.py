@@ -4,6 +4,7 @@
     python bench/export_speed.py --models deit_tiny_patch16_224 --batches 1 8 --rounds 10
     python bench/export_speed.py --profile 16          # also: where ORT fp32 and int8 spend a batch of 16
     python bench/export_speed.py --profile 64 --profile-device cuda   # where ORT fp32 and fp16 spend it on CUDA
+                                                       # (fp16 as exported, and without its ORT fusions)
     python bench/export_speed.py --int8-variants       # also: per-channel and unsigned int8 weights
     python bench/export_speed.py --conv-patch-embed    # also: the graph with the patch embedding as a Conv
 
@@ -21,6 +22,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +32,8 @@ import torch
 from onnxruntime.quantization import QuantType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from export.graph import MainGraph, export_form, export_graph  # noqa: E402
+from export.fusion import fuse_for_ort  # noqa: E402
+from export.graph import MainGraph, export_form, export_graph, export_program, save_graph  # noqa: E402
 from export.precision import convert_fp16, quantize_int8  # noqa: E402
 from models import create_model  # noqa: E402
 from repository import graph_inputs  # noqa: E402
@@ -85,6 +88,21 @@ def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool
     return calls, size
 
 
+def fp16_graph(cache: Path, name: str, fused: bool) -> Path:
+    """The fp16 graph as `python -m export --precision fp16` writes it (fused for ORT), or without the fusions."""
+    path = graph_path(cache, name, "fp16" if fused else "fp16-unfused")
+    if not path.exists():
+        torch.manual_seed(0)
+        model = create_model(name)
+        graph = export_program(MainGraph(export_form(model)), model.spec.img_size)
+        if fused:
+            fuse_for_ort(graph)
+        with tempfile.TemporaryDirectory() as tmp:
+            save_graph(graph, Path(tmp) / "fp32.onnx")
+            convert_fp16(Path(tmp) / "fp32.onnx", path)
+    return path
+
+
 def op_times(path: Path, batch: int, size: int, provider: str, runs: int = 3) -> tuple[str, dict[str, float]]:
     """ORT's own profile: the provider the session got, and milliseconds per batch spent in each operator type
     (as fused by level `all`)."""
@@ -111,12 +129,13 @@ def print_profile(name: str, cache: Path, batch: int, size: int, device: str) ->
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             print(f"\n{name}: no CUDA profile, the CUDA provider is not in this onnxruntime")
             return
-        provider, precisions = "CUDAExecutionProvider", ("fp32", "fp16")
-        if not graph_path(cache, name, "fp16").exists():
-            convert_fp16(graph_path(cache, name, "fp32"), graph_path(cache, name, "fp16"))
+        provider = "CUDAExecutionProvider"
+        graphs = {"fp32": graph_path(cache, name, "fp32"), "fp16 unfused": fp16_graph(cache, name, fused=False),
+                  "fp16": fp16_graph(cache, name, fused=True)}
     else:
-        provider, precisions = "CPUExecutionProvider", ("fp32", "int8")
-    profiles = {p: op_times(graph_path(cache, name, p), batch, size, provider) for p in precisions}
+        provider = "CPUExecutionProvider"
+        graphs = {p: graph_path(cache, name, p) for p in ("fp32", "int8")}
+    profiles = {p: op_times(path, batch, size, provider) for p, path in graphs.items()}
     print(f"\n{name}, batch {batch}: ms per batch by operator type (ORT's profile of 3 runs)")
     for precision, (used, times) in profiles.items():
         total = sum(times.values())

@@ -5,7 +5,8 @@ service's figures divided by the raw session's.
     python bench/gpu.py --models deit_tiny_patch16_224 --batches 64 256 --parts graphs
 
 graphs:  images/s of each model at each batch, the variants alternating round by round (medians):
-         ORT fp32/fp16 "dev" (input and outputs resident on the GPU, IOBinding with OrtValues), the service's
+         ORT fp32/fp16 "dev" (input and outputs resident on the GPU, IOBinding with OrtValues; fp16 as exported,
+         with ORT's fused kernels written in, and "fp16 unfused", the fp32 graph only converted), the service's
          `Runner` (numpy in, outputs copied back), the project's PyTorch model in fp16, eager and under
          torch.compile (inductor; compiled once per batch size, not timed), timm with AMP and channels_last if it
          imports. Without CUDA: ORT fp32 on the CPU, Runner, PyTorch fp32 eager.
@@ -71,10 +72,20 @@ def median_rates(calls: dict, batch: int, rounds: int, seconds: float) -> dict[s
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
-def ort_on_device(folder: Path, batch: int):
-    """One run with the uint8 input and every output resident on the GPU."""
+def unfused_fp16(fp32: Path) -> Path:
+    """The exported fp32 graph converted to fp16 without export.fusion's rewrites, beside it."""
+    path = fp32 / "unfused-fp16.onnx"
+    if not path.exists():
+        from export.precision import convert_fp16
+        convert_fp16(fp32 / "model.onnx", path)
+    return path
+
+
+def ort_on_device(folder: Path, batch: int, graph: Path | None = None):
+    """One run with the uint8 input and every output resident on the GPU (`graph`: another graph for the same
+    inputs and outputs)."""
     entry = read_entry(folder)
-    session = ort.InferenceSession(str(entry.path()), providers=[CUDA])
+    session = ort.InferenceSession(str(graph or entry.path()), providers=[CUDA])
     h, w = entry.policy.size
     binding = session.io_binding()
     images = ort.OrtValue.ortvalue_from_numpy(np.zeros((batch, h, w, 3), np.uint8), "cuda", 0)
@@ -143,6 +154,7 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
         for batch in batches:
             if cuda:
                 calls = {"ORT fp32 dev": ort_on_device(fp32, batch), "ORT fp16 dev": ort_on_device(fp16, batch),
+                         "ORT fp16 unfused dev": ort_on_device(fp16, batch, unfused_fp16(fp32)),
                          "Runner fp16": runner(fp16, batch, CUDA), "torch fp16": torch_model(model, batch, True),
                          "torch.compile fp16": torch_model(model, batch, True, compiled=True)}
             else:
@@ -152,7 +164,8 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
             rates = median_rates(calls, batch, rounds, seconds)
             raw[model, batch] = rates["ORT fp16 dev" if cuda else "ORT fp32"]
             ratios = (f"ORT fp16 / torch {raw[model, batch] / rates['torch fp16']:.2f}, / torch.compile "
-                      f"{raw[model, batch] / rates['torch.compile fp16']:.2f}" if cuda else
+                      f"{raw[model, batch] / rates['torch.compile fp16']:.2f}, fused / unfused "
+                      f"{raw[model, batch] / rates['ORT fp16 unfused dev']:.2f}" if cuda else
                       f"ORT / torch {raw[model, batch] / rates['torch fp32']:.2f}")
             print(f"{model:<30} batch {batch:>4}: " + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items())
                   + f"; {ratios}", flush=True)

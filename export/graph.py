@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 import torch
 from torch import nn
 
@@ -108,8 +109,9 @@ class ExplainGraph(nn.Module):
         return tuple(self.model.attention_probabilities(self.input(images, pixel_values)))
 
 
-def export_graph(module: MainGraph | ExplainGraph, img_size: int, path: Path) -> onnx.ModelProto:
-    """Export `module` to a single self-contained .onnx file at `path` and return the graph."""
+def export_program(module: MainGraph | ExplainGraph, img_size: int) -> ir.Model:
+    """`module` as an ONNX graph in memory, its intermediate shapes in PyTorch's symbols (one name per batch
+    expression throughout, which the fusions in `export.fusion` match on)."""
     # The exporter warns about every torchvision op it cannot register; torchvision is not used here.
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     # batch 2 each, so that neither axis is specialised to 0 or 1; the graph runs with either at 0
@@ -121,11 +123,21 @@ def export_graph(module: MainGraph | ExplainGraph, img_size: int, path: Path) ->
         program = torch.onnx.export(
             module, example, dynamo=True, opset_version=OPSET, input_names=[IMAGES, TENSOR],
             output_names=module.output_names, dynamic_shapes=batches, verbose=False)
-    proto = program.model_proto
+    return program.model
+
+
+def save_graph(graph: ir.Model, path: Path) -> onnx.ModelProto:
+    """Write `graph` as a single self-contained .onnx file (weights inline: the file travels alone)."""
+    proto = ir.to_proto(graph)
     # The exporter can leave stale intermediate shapes that make ONNX shape inference fail later.
     del proto.graph.value_info[:]
-    onnx.save_model(proto, path)  # weights inline: the file travels alone
+    onnx.save_model(proto, path)
     return proto
+
+
+def export_graph(module: MainGraph | ExplainGraph, img_size: int, path: Path) -> onnx.ModelProto:
+    """Export `module` to a single self-contained .onnx file at `path` and return the graph."""
+    return save_graph(export_program(module, img_size), path)
 
 
 def op_counts(proto: onnx.ModelProto) -> dict[str, int]:

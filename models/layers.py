@@ -51,6 +51,16 @@ class DropPath(nn.Module):
         return x * mask / keep
 
 
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean over the second-last axis, [..., N, D] -> [..., D], as a product with a constant 1/N row.
+
+    Exported to ONNX it is a MatMul, which ONNX Runtime's CUDA provider runs as one GEMM; a ReduceMean over a
+    middle axis takes its generic cuDNN path instead (Swin-T fp16 on an H100: ReduceMean 17% of the time).
+    """
+    n = x.shape[-2]
+    return (x.new_full((1, n), 1 / n) @ x).squeeze(-2)
+
+
 def init_weights(module: nn.Module) -> None:
     """timm's default ViT/Swin init: truncated normal (std 0.02) linear weights, zero biases."""
     if isinstance(module, nn.Linear):

@@ -5,7 +5,10 @@ Tokens live on a 2-D grid ([B, H, W, C], channels last). Each block attends only
 M x M windows, with a learned relative position bias added to the attention scores; every second block
 shifts the windows by M/2 with a cyclic roll and masks attention between tokens that the roll brought
 together from opposite edges. Between stages, patch merging concatenates each 2 x 2 neighbourhood (4C)
-and projects it to 2C, halving the grid. The classifier averages the last stage's tokens.
+and projects it to 2C, halving the grid. Inside a stage the residual stream is kept as token rows
+[B, H*W, C], windows cut from a grid view of it: each residual sum that feeds a LayerNorm is then the
+[batch, sequence, hidden] pattern ONNX Runtime fuses into one kernel (export/fusion.py). The classifier
+averages the last stage's tokens.
 
 Parameter names and shapes are timm's (`layers.N.downsample` at the start of a stage, `head.fc`);
 `checkpoint_filter_fn` also reads the official release layout (downsample at the end of a stage, `head`,
@@ -17,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import DropPath, Mlp, PatchEmbed, init_weights
+from .layers import DropPath, Mlp, PatchEmbed, init_weights, row_mean
 
 MASKED = -100.0  # the original implementation's additive mask value; exp(-100) is 0 in float32 softmax
 
@@ -102,7 +105,7 @@ class WindowAttention(nn.Module):
         if not received:
             return out
         probs = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1) + bias).softmax(dim=-1)
-        return out, probs.reshape(B_, heads, N, N).mean(dim=2)
+        return out, row_mean(probs.reshape(B_, heads, N, N))
 
 
 class SwinTransformerBlock(nn.Module):
@@ -117,6 +120,7 @@ class SwinTransformerBlock(nn.Module):
             window, shift = min(resolution), 0
         self.window = window
         self.shift = shift
+        self.resolution = resolution
         self.norm1 = nn.LayerNorm(dim)
         self.attn = WindowAttention(dim, num_heads, window, qkv_bias, attn_drop, drop)
         self.norm2 = nn.LayerNorm(dim)
@@ -145,10 +149,12 @@ class SwinTransformerBlock(nn.Module):
         return self._to_grid(out, H, W), self._to_grid(got.transpose(1, 2), H, W)  # [B, H, W, heads]
 
     def forward(self, x: torch.Tensor, received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With `received`, also returns the attention each token receives in its window, [B, H, W, heads]."""
-        attn = self._attn(self.norm1(x), received)
+        """Token rows [B, H*W, C] -> the same. With `received`, also returns the attention each token receives in
+        its window, [B, H, W, heads]."""
+        B, L, C = x.shape
+        attn = self._attn(self.norm1(x).view(B, *self.resolution, C), received)
         attn, got = attn if received else (attn, None)
-        x = x + self.drop_path(attn)
+        x = x + self.drop_path(attn.reshape(B, L, C))
         x = x + self.drop_path(self.mlp(self.norm2(x)))
         return (x, got) if received else x
 
@@ -192,7 +198,9 @@ class SwinTransformerStage(nn.Module):
         ])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(self.downsample(x))
+        """[B, H, W, C] -> [B, H', W', C'], the blocks on token rows."""
+        x = self.downsample(x)
+        return self.blocks(x.flatten(1, 2)).view(x.shape[0], *self.resolution, -1)
 
 
 class ClassifierHead(nn.Module):
@@ -204,7 +212,8 @@ class ClassifierHead(nn.Module):
         self.fc = nn.Linear(in_features, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.drop(x.mean(dim=(1, 2))))
+        """[B, H, W, C] or token rows [B, H*W, C] -> logits."""
+        return self.fc(self.drop(row_mean(x.flatten(1, -2))))
 
 
 class SwinTransformer(nn.Module):
@@ -266,7 +275,7 @@ class SwinTransformer(nn.Module):
         that stage is a single window, so this is how much the average query attends to each token.
         """
         last = self.layers[-1]
-        x = last.blocks[:-1](last.downsample(self.layers[:-1](self.patch_embed(x))))
+        x = last.blocks[:-1](last.downsample(self.layers[:-1](self.patch_embed(x))).flatten(1, 2))
         x, received = last.blocks[-1](x, received=True)
         return self.head(self.norm(x)), received.flatten(1, 2).transpose(1, 2)
 

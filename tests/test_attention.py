@@ -93,10 +93,10 @@ def test_swin_map_equals_pytorch_explicit_attention():
     block.norm1.register_forward_hook(lambda mod, args, out: seen.setdefault("tokens", out))
     with torch.no_grad():
         model(torch.from_numpy(x))
-        t = seen["tokens"]  # [B, 6, 6, C]: the last stage is one 6 x 6 window, not shifted
-        B, H, W, C = t.shape
+        t = seen["tokens"]  # [B, 36, C] token rows: the last stage is one 6 x 6 window, not shifted
+        B, N, C = t.shape
         heads = block.attn.num_heads
-        qkv = block.attn.qkv(t.reshape(B, H * W, C)).reshape(B, H * W, 3, heads, C // heads).permute(2, 0, 3, 1, 4)
+        qkv = block.attn.qkv(t).reshape(B, N, 3, heads, C // heads).permute(2, 0, 3, 1, 4)
         scores = qkv[0] @ qkv[1].transpose(-2, -1) / (C // heads) ** 0.5 + block.attn.relative_position_bias()
         received = scores.softmax(-1).mean(dim=2)  # [B, heads, 36]: what each token receives, mean over queries
     main = session("shapes-swin").run(None, graph_inputs(x))

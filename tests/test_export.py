@@ -58,6 +58,42 @@ def test_dynamic_batch_gives_the_same_per_item_outputs(repo, arch):
                 np.testing.assert_allclose(a, b[start:start + batch], atol=1e-5)
 
 
+SKIP_LAYER_NORMS = {"vit": 8, "deit": 8, "swin": 10}  # every LayerNorm after a residual sum: 2 a block (Swin:
+# not the first of a stage, which follows patch merging) and the final norm
+
+
+@pytest.fixture(scope="module")
+def fp16_repo(repo):
+    for arch, name in MICRO.items():
+        export_main([name, "--weights", str(repo / f"{arch}.safetensors"), "--precision", "fp16", "--name", arch,
+                     "--out", str(repo / "fp16"), "--no-explain"])
+    return repo / "fp16"
+
+
+def _residual_sums_into_layer_norms(graph: onnx.ModelProto) -> list[str]:
+    """LayerNormalization nodes fed by an Add of two computed tensors (a residual sum), left unfused."""
+    made = {out: n for n in graph.graph.node for out in n.output}
+    constant = {i.name for i in graph.graph.initializer}
+    return [n.name for n in graph.graph.node if n.op_type == "LayerNormalization" and n.input[0] in made
+            and made[n.input[0]].op_type == "Add" and not constant & set(made[n.input[0]].input)]
+
+
+@pytest.mark.parametrize("arch", MICRO)
+def test_fp16_graphs_carry_onnx_runtimes_fused_kernels_and_fp32_stays_standard(repo, fp16_repo, arch):
+    fp32, fp16 = onnx.load(repo / arch / "model.onnx"), onnx.load(fp16_repo / arch / "model.onnx")
+    assert len(_residual_sums_into_layer_norms(fp32)) == SKIP_LAYER_NORMS[arch]  # what there is to fuse
+    assert {n.domain for n in fp32.graph.node} <= {""}
+    m = manifest(fp16_repo, arch)
+    assert m["op_counts"]["com.microsoft:SkipLayerNormalization"] == SKIP_LAYER_NORMS[arch]
+    assert m["op_counts"]["com.microsoft:BiasGelu"] == BLOCKS[arch] and "Gelu" not in m["op_counts"]
+    assert _residual_sums_into_layer_norms(fp16) == [] and "ReduceMean" not in m["op_counts"]
+    # ORT's fused form: output 3 carries the sum on; 1 and 2 (statistics its CUDA kernel never makes) absent
+    assert {tuple(n.output[1:3]) for n in fp16.graph.node if n.op_type == "SkipLayerNormalization"} == {("", "")}
+    assert m["op_counts"]["Attention"] == BLOCKS[arch]
+    assert m["parity"]["fused_fp32"]["logits_max_abs_diff"] <= 1e-4  # the fusions are gated against PyTorch too
+    assert m["parity"]["fp16"]["top1_agreement"] >= 0.99
+
+
 def test_manifest_validates_and_describes_the_graph(repo):
     m = manifest(repo, "deit")
     validate(m)
