@@ -88,13 +88,14 @@ def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool
     return calls, size
 
 
-def fp16_graph(cache: Path, name: str, fused: bool) -> Path:
-    """The fp16 graph as `python -m export --precision fp16` writes it (fused for ORT), or without the fusions."""
-    path = graph_path(cache, name, "fp16" if fused else "fp16-unfused")
+def fp16_graph(cache: Path, name: str, fused: bool, batch: int | None = None) -> Path:
+    """The fp16 graph as `python -m export --precision fp16` writes it (fused for ORT), or without the fusions;
+    with `batch`, exported for that many images, every shape fixed."""
+    path = graph_path(cache, name, ("fp16" if fused else "fp16-unfused") + (f"-static{batch}" if batch else ""))
     if not path.exists():
         torch.manual_seed(0)
         model = create_model(name)
-        graph = export_program(MainGraph(export_form(model)), model.spec.img_size)
+        graph = export_program(MainGraph(export_form(model)), model.spec.img_size, batch)
         if fused:
             fuse_for_ort(graph)
         with tempfile.TemporaryDirectory() as tmp:

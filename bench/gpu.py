@@ -6,7 +6,8 @@ service's figures divided by the raw session's.
 
 graphs:  images/s of each model at each batch, the variants alternating round by round (medians):
          ORT fp32/fp16 "dev" (input and outputs resident on the GPU, IOBinding with OrtValues; fp16 as exported,
-         with ORT's fused kernels written in, and "fp16 unfused", the fp32 graph only converted), the service's
+         with ORT's fused kernels written in, and "fp16 unfused", the fp32 graph only converted; at batch <= 8
+         also "fp16 CUDA graph", exported for exactly that batch and replayed as a CUDA graph), the service's
          `Runner` (numpy in, outputs copied back), the project's PyTorch model in fp16, eager and under
          torch.compile (inductor; compiled once per batch size, not timed), timm with AMP and channels_last if it
          imports. Without CUDA: ORT fp32 on the CPU, Runner, PyTorch fp32 eager.
@@ -43,6 +44,7 @@ from service.loadtest import classify_requests, run_level_processes, v2_requests
 from service.runtime import CPU, CUDA, Runner, choose_device  # noqa: E402
 from service_process import running_service  # noqa: E402
 
+CUDA_GRAPH_MAX_BATCH = 8  # a CUDA graph saves kernel launches, which only small batches notice
 CUDA_MODELS = ["deit_tiny_patch16_224", "deit_small_patch16_224", "vit_base_patch16_224",
                "swin_tiny_patch4_window7_224"]
 skipped: list[str] = []
@@ -93,6 +95,22 @@ def ort_on_device(folder: Path, batch: int, graph: Path | None = None):
     binding.bind_cpu_input(entry.manifest["tensor_input"]["name"], np.zeros((0, 3, h, w), np.float32))
     for output in session.get_outputs():
         binding.bind_output(output.name, "cuda")
+    return lambda: session.run_with_iobinding(binding)
+
+
+def cuda_graph_on_device(model: str, batch: int, cache: Path):
+    """The fp16 graph exported for exactly `batch` images (no shape arithmetic left to run on the CPU), captured
+    once as a CUDA graph and replayed; inputs and outputs stay at fixed GPU addresses, as replay needs."""
+    from bench.export_speed import fp16_graph
+    session = ort.InferenceSession(str(fp16_graph(cache, model, fused=True, batch=batch)),
+                                   providers=[(CUDA, {"enable_cuda_graph": "1"})])
+    binding = session.io_binding()
+    for spec in session.get_inputs():
+        zeros = np.zeros(spec.shape, np.uint8 if spec.type == "tensor(uint8)" else np.float32)
+        binding.bind_ortvalue_input(spec.name, ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", 0))
+    for spec in session.get_outputs():
+        binding.bind_ortvalue_output(spec.name, ort.OrtValue.ortvalue_from_shape_and_type(spec.shape, np.float32,
+                                                                                           "cuda", 0))
     return lambda: session.run_with_iobinding(binding)
 
 
@@ -157,6 +175,13 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
                          "ORT fp16 unfused dev": ort_on_device(fp16, batch, unfused_fp16(fp32)),
                          "Runner fp16": runner(fp16, batch, CUDA), "torch fp16": torch_model(model, batch, True),
                          "torch.compile fp16": torch_model(model, batch, True, compiled=True)}
+                if batch <= CUDA_GRAPH_MAX_BATCH:
+                    try:
+                        calls["ORT fp16 CUDA graph"] = cuda_graph_on_device(model, batch, cache)
+                        calls["ORT fp16 CUDA graph"]()  # the capture, here so that a failure is named, not fatal
+                    except RuntimeError as e:
+                        calls.pop("ORT fp16 CUDA graph", None)
+                        skipped.append(f"fp16 CUDA graph, {model} batch {batch}: {e}")
             else:
                 calls = {"ORT fp32": runner(fp32, batch, CPU), "torch fp32": torch_model(model, batch, False)}
             if has_timm:

@@ -109,15 +109,23 @@ class ExplainGraph(nn.Module):
         return tuple(self.model.attention_probabilities(self.input(images, pixel_values)))
 
 
-def export_program(module: MainGraph | ExplainGraph, img_size: int) -> ir.Model:
+def export_program(module: MainGraph | ExplainGraph, img_size: int, batch: int | None = None) -> ir.Model:
     """`module` as an ONNX graph in memory, its intermediate shapes in PyTorch's symbols (one name per batch
-    expression throughout, which the fusions in `export.fusion` match on)."""
+    expression throughout, which the fusions in `export.fusion` match on).
+
+    `batch`: every shape fixed instead, for that many images and no float pixels, so that no shape arithmetic
+    is left in the graph (CUDA graph capture needs every node on the GPU; bench/gpu.py measures it).
+    """
     # The exporter warns about every torchvision op it cannot register; torchvision is not used here.
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    # batch 2 each, so that neither axis is specialised to 0 or 1; the graph runs with either at 0
-    example = (torch.zeros(2, img_size, img_size, 3, dtype=torch.uint8), torch.randn(2, 3, img_size, img_size))
-    batches = {IMAGES: {0: torch.export.Dim("images_batch", min=1, max=4096)},
-               TENSOR: {0: torch.export.Dim("tensor_batch", min=1, max=4096)}}
+    if batch is None:
+        # batch 2 each, so that neither axis is specialised to 0 or 1; the graph runs with either at 0
+        example = (torch.zeros(2, img_size, img_size, 3, dtype=torch.uint8), torch.randn(2, 3, img_size, img_size))
+        batches = {IMAGES: {0: torch.export.Dim("images_batch", min=1, max=4096)},
+                   TENSOR: {0: torch.export.Dim("tensor_batch", min=1, max=4096)}}
+    else:
+        example = (torch.zeros(batch, img_size, img_size, 3, dtype=torch.uint8), torch.zeros(0, 3, img_size, img_size))
+        batches = None
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(

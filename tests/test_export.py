@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import models
 from export.__main__ import main as export_main
-from export.graph import MainGraph, unfused_attention
+from export.graph import MainGraph, export_form, export_program, save_graph, unfused_attention
 from export.manifest import sha256, validate
 from export.parity import ParityError, check_fp32, check_reduced, gate_inputs, reduced_precision_passes
 from models.synthetic import __main__ as synthetic
@@ -92,6 +92,20 @@ def test_fp16_graphs_carry_onnx_runtimes_fused_kernels_and_fp32_stays_standard(r
     assert m["op_counts"]["Attention"] == BLOCKS[arch]
     assert m["parity"]["fused_fp32"]["logits_max_abs_diff"] <= 1e-4  # the fusions are gated against PyTorch too
     assert m["parity"]["fp16"]["top1_agreement"] >= 0.99
+
+
+def test_a_graph_exported_for_one_batch_size_has_no_shape_arithmetic_and_the_same_answers(repo, tmp_path):
+    """What CUDA graph capture needs (bench/gpu.py times it): every shape fixed, nothing left for the CPU."""
+    model = models.create_model(MICRO["vit"])
+    model.load_state_dict(load_file(repo / "vit.safetensors"))
+    save_graph(export_program(MainGraph(export_form(model)), 96, batch=3), tmp_path / "static.onnx")
+    static = ort.InferenceSession(tmp_path / "static.onnx", providers=["CPUExecutionProvider"])
+    assert [i.shape for i in static.get_inputs()] == [[3, 96, 96, 3], [0, 3, 96, 96]]
+    assert not {"Shape", "Size", "NonZero"} & {n.op_type for n in onnx.load(tmp_path / "static.onnx").graph.node}
+    images = np.random.default_rng(0).integers(0, 256, (3, 96, 96, 3), dtype=np.uint8)
+    dynamic = ort.InferenceSession(repo / "vit" / "model.onnx", providers=["CPUExecutionProvider"])
+    for a, b in zip(static.run(None, graph_inputs(images)), dynamic.run(None, graph_inputs(images))):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_manifest_validates_and_describes_the_graph(repo):
