@@ -21,7 +21,7 @@ from repository import ModelEntry, RepositoryError
 from .backends import Backend
 from .cache import AttentionRecord
 from .decode import Photo, decode, decode_size, model_input
-from .errors import BadInput, NotFound, Unavailable, overloaded
+from .errors import BadInput, NotFound, TooLarge, Unavailable, overloaded
 from .faces import DetectorSettings, crop_face, detect_faces
 from .gpu_decode import is_jpeg
 from .metrics import Metrics
@@ -112,6 +112,9 @@ class Pipeline:
         """Fill n records (in the decode pool), run them, and copy the results out."""
         if n == 0:
             return Results({}, [])
+        if n > self.settings.queue_limit:  # it would never fit: retrying later (503) cannot help
+            raise TooLarge(f"{n} images in one request; this model's queue holds {self.settings.queue_limit} "
+                           "(VITSERVE_QUEUE_LIMIT), so send at most that many at once", "too_many_images")
         with self.backend.records(self.name, kind, n) as records:
             if in_pool:
                 with self.backend.preparing(self.name):

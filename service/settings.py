@@ -26,7 +26,8 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(16, ge=1, le=1024, description="images per inference call")
     max_queue_delay_ms: float = Field(5.0, ge=0, description="how long the oldest queued image may wait for a batch "
                                                            "to fill, while other requests are still decoding")
-    queue_limit: int = Field(256, ge=1, description="queued images per model beyond which requests get 503")
+    queue_limit: int = Field(256, ge=1, description="queued images per model beyond which requests get 503; "
+                                                   "one request with more gets 413")
     request_timeout_s: float = Field(30.0, gt=0, description="longest wait for a result before 503")
     access_log: bool = Field(True, description="a line per request (uvicorn's access log, at log level info); "
                                                "off for the last bit of throughput")

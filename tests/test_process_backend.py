@@ -139,10 +139,12 @@ def test_metrics_add_up_over_all_processes(url):  # 8 requests: never more than 
     assert metric(after, "process_cpu_seconds_total") > metric(before, "process_cpu_seconds_total")
 
 
-def test_a_full_queue_gets_503_with_retry_after_and_bad_input_a_clear_4xx(url):
-    full = classify(url, *[(f"{i}.jpg", JPEG) for i in range(9)])
-    assert full.status_code == 503 and full.headers["Retry-After"] == "1"
-    assert "would pass its limit of 8" in full.json()["error"]["message"]
+def test_more_images_than_the_queue_holds_get_413_and_bad_input_a_clear_4xx(url):
+    never = classify(url, *[(f"{i}.jpg", JPEG) for i in range(9)])  # a full queue's 503: the first test
+    assert never.status_code == 413 and never.json()["error"]["code"] == "too_many_images"
+    v2 = httpx.post(f"{url}/v2/models/shapes-deit/infer", timeout=30, json={"inputs": [
+        {"name": "images", "datatype": "UINT8", "shape": [9, 96, 96, 3], "data": [0] * (9 * 96 * 96 * 3)}]})
+    assert v2.status_code == 413 and "queue holds 8" in v2.json()["error"]
     bad = classify(url, ("notes.txt", b"just some text"))
     assert bad.status_code == 415 and bad.json()["error"]["code"] == "unsupported_media_type"
     assert classify(url, ("a.jpg", JPEG)).status_code == 200

@@ -215,7 +215,7 @@ def test_openapi_docs_describe_the_routes_and_load_nothing_from_elsewhere(url):
             assert "version_" not in {p["name"] for p in params if p["in"] == "query"}, path
 
 
-def test_readiness_waits_for_warm_up_and_a_full_queue_gets_503():
+def test_readiness_waits_for_warm_up_and_more_images_than_the_queue_holds_get_413():
     with running_service(wait_ready=False, warmup_runs=60, queue_limit=2) as base:
         early = httpx.get(f"{base}/health/ready")
         assert early.status_code == 503 and early.headers["Retry-After"] == "1"
@@ -225,10 +225,12 @@ def test_readiness_waits_for_warm_up_and_a_full_queue_gets_503():
         deadline = time.monotonic() + 120
         while httpx.get(f"{base}/health/ready").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.1)
-        full = classify(base, ("a.jpg", JPEG), ("b.jpg", JPEG), ("c.jpg", JPEG), field="files")
-        assert full.status_code == 503 and full.headers["Retry-After"] == "1"
-        assert "would pass its limit of 2" in full.json()["error"]["message"]
-        assert classify(base, ("a.jpg", JPEG)).status_code == 200
+        # no retry could ever fit it (a full queue's 503: test_overload.py, test_process_backend.py)
+        never = classify(base, ("a.jpg", JPEG), ("b.jpg", JPEG), ("c.jpg", JPEG), field="files")
+        assert never.status_code == 413 and "Retry-After" not in never.headers
+        error = never.json()["error"]
+        assert error["code"] == "too_many_images" and "queue holds 2" in error["message"]
+        assert classify(base, ("a.jpg", JPEG), ("b.jpg", JPEG), field="files").status_code == 200
 
 
 def test_a_missing_repository_stops_start_up_with_a_clear_message(tmp_path):

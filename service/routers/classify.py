@@ -25,7 +25,8 @@ def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]
     description="Multipart upload: one image as `file`, or several as `files` (each its own batch item). "
                 "Example: `curl -F file=@cat.jpg 'localhost:8000/classify?top_k=5'`.",
     responses={400: {"description": "no image, or an image that cannot be decoded"},
-               404: {"description": "unknown model"}, 413: {"description": "upload or image too large"},
+               404: {"description": "unknown model"}, 413: {"description": "upload or image too large, or more images "
+                                                                  "than the limit or the model's queue holds"},
                415: {"description": "not an image"}, 503: {"description": "overloaded or still loading"}},
     openapi_extra=upload_body({"file": "one image (JPEG, PNG, WebP, ...)"}, several="files"),
 )
