@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 from onnxruntime.quantization import QuantType, quantize_dynamic
 from onnxruntime.quantization.shape_inference import quant_pre_process
 from onnxruntime.transformers.float16 import convert_float_to_float16
@@ -30,7 +31,9 @@ def quantize_int8(src: Path, dst: Path, weight_type: QuantType = QuantType.QInt8
 
 
 def convert_fp16(src: Path, dst: Path) -> onnx.ModelProto:
-    proto = convert_float_to_float16(onnx.load(src), keep_io_types=True, op_block_list=["Softmax"])
+    graph = ir.from_proto(convert_float_to_float16(onnx.load(src), keep_io_types=True, op_block_list=["Softmax"]))
+    graph.graph.sort()  # the converter appends the inputs' Casts after the nodes that read them: invalid ONNX
+    proto = ir.to_proto(graph)
     onnx.save_model(proto, dst)
     return proto
 

@@ -81,6 +81,7 @@ def _residual_sums_into_layer_norms(graph: onnx.ModelProto) -> list[str]:
 @pytest.mark.parametrize("arch", MICRO)
 def test_fp16_graphs_carry_onnx_runtimes_fused_kernels_and_fp32_stays_standard(repo, fp16_repo, arch):
     fp32, fp16 = onnx.load(repo / arch / "model.onnx"), onnx.load(fp16_repo / arch / "model.onnx")
+    onnx.checker.check_model(fp16)  # valid ONNX (its nodes in order), the contrib domain declared
     assert len(_residual_sums_into_layer_norms(fp32)) == SKIP_LAYER_NORMS[arch]  # what there is to fuse
     assert {n.domain for n in fp32.graph.node} <= {""}
     m = manifest(fp16_repo, arch)
