@@ -7,17 +7,76 @@ bias, the residual sum and the LayerNorm become one com.microsoft SkipLayerNorma
 carries the sum onward), and the MLP's bias + GELU one BiasGelu, with onnxscript's ORT fusion rules. They match
 on shapes, so they run on the graph as exported, whose shapes carry PyTorch's batch symbols.
 
+The attention's input side is the other memory-bound stretch: the packed q/k/v projection's bias Add, a
+[B, N, 3, heads, d] transpose and three slices, and a transpose back after the kernel, each a full pass over
+the activations. `PackedQkvAttention` turns all of it, with the projection, into ORT's com.microsoft
+Attention (x, packed weights, bias), which reads the projection's output in place. It needs the q, k, v and
+output to have no other use, so the last ViT/DeiT block, whose q and k also give the [CLS] row, keeps the
+standard op; Swin's windowed, masked attention is another pattern and stays as it is.
+
 Only the fp16 graph (the CUDA provider's) is fused: the fp32 graph stays standard ONNX for any runtime, and
 the int8 quantizer cannot type com.microsoft ops' outputs.
 """
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter.ort_fusions.bias_gelu import fuse_bias_gelu
 from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_layer_normalization
+from onnxscript.rewriter.pattern import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+
+
+def _constant(value: ir.Value) -> np.ndarray | None:
+    return value.const_value.numpy() if value.const_value is not None else None
+
+
+class PackedQkvAttention(RewriteRuleClassBase):
+    """x @ Wqkv + b -> [B, N, 3, heads, d] -> q, k, v -> opset-23 Attention -> [B, N, D], as torch exports
+    timm's attention, into com.microsoft Attention(x, Wqkv, b)."""
+
+    def pattern(self, op, x, weight, bias, heads_shape, s0, e0, s1, e1, s2, e2, a0, a1, a2, tokens_shape):
+        qkv = op.Add(op.MatMul(x, weight), bias)
+        heads = op.Transpose(op.Reshape(qkv, heads_shape, _allow_other_attributes=True), perm=[2, 0, 3, 1, 4])
+        q = op.Squeeze(op.Slice(heads, s0, e0, a0), a0)
+        k = op.Squeeze(op.Slice(heads, s1, e1, a1), a1)
+        v = op.Squeeze(op.Slice(heads, s2, e2, a2), a2)
+        out = op.Attention(q, k, v, _allow_other_attributes=True, _outputs=["attention"])
+        return op.Reshape(op.Transpose(out, perm=[0, 2, 1, 3]), tokens_shape, _allow_other_attributes=True)
+
+    def check(self, context, weight, bias, heads_shape, s0, e0, s1, e1, s2, e2, a0, a1, a2, attention,
+              **_) -> MatchResult:
+        result = MatchResult()
+        w, b, shape = (_constant(v) for v in (weight, bias, heads_shape))
+        if w is None or b is None or shape is None or w.ndim != 2 or b.shape != (w.shape[1],) or len(shape) != 5:
+            return result.fail("the q, k, v projection and the head shape must be constants")
+        if shape[2] != 3 or 3 * shape[3] * shape[4] != w.shape[1]:
+            return result.fail("not one projection packing q, k and v")
+        cuts = [[_constant(v) for v in pair] for pair in ((s0, e0), (s1, e1), (s2, e2))]
+        if any(c is None for pair in cuts for c in pair) or [[c.tolist() for c in p] for p in cuts] != [
+                [[0], [1]], [[1], [2]], [[2], [3]]]:
+            return result.fail("not q, k, v in their packed order")
+        if any(_constant(a) is None or _constant(a).tolist() != [0]
+               for a in (a0, a1, a2)):
+            return result.fail("not cut along the q/k/v axis")
+        attrs = attention.producer().attributes
+        variants = ("is_causal", 0), ("softcap", 0.0), ("qk_matmul_output_mode", 0)
+        if any(attrs.get(name) is not None and attrs[name].value != default for name, default in variants):
+            return result.fail("a variant of attention com.microsoft Attention does not compute")
+        scale = attrs.get_float("scale", None)
+        if scale is not None and not np.isclose(scale, shape[4] ** -0.5):
+            return result.fail("a scale other than 1/sqrt(head size)")
+        return result
+
+    def rewrite(self, op, x, weight, bias, heads_shape, **_) -> ir.Value:
+        heads = int(_constant(heads_shape)[3])
+        return op.Attention(x, weight, bias, num_heads=heads, _domain="com.microsoft")
+
+
+packed_qkv_attention = RewriteRuleSet([PackedQkvAttention.rule()])
 
 
 def fuse_for_ort(graph: ir.Model) -> dict[str, int]:
     """Rewrite `graph` in place; how many of each fused op it made."""
-    made = {"SkipLayerNormalization": fuse_skip_layer_normalization(graph), "BiasGelu": fuse_bias_gelu(graph)}
+    made = {"Attention": packed_qkv_attention.apply_to_model(graph),
+            "SkipLayerNormalization": fuse_skip_layer_normalization(graph), "BiasGelu": fuse_bias_gelu(graph)}
     for node in graph.graph:
         if node.op_type == "SkipLayerNormalization":
             # the mean and inverse deviation: absent, as in ORT's own fused form (its CUDA kernel never makes them)

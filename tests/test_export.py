@@ -4,6 +4,7 @@ import json
 import jsonschema
 import numpy as np
 import onnx
+import onnx_ir
 import onnxruntime as ort
 import pytest
 import torch
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import models
 from export.__main__ import main as export_main
+from export.fusion import fuse_for_ort
 from export.graph import MainGraph, export_form, export_program, save_graph, unfused_attention
 from export.manifest import sha256, validate
 from export.parity import ParityError, check_fp32, check_reduced, gate_inputs, reduced_precision_passes
@@ -90,9 +92,19 @@ def test_fp16_graphs_carry_onnx_runtimes_fused_kernels_and_fp32_stays_standard(r
     assert _residual_sums_into_layer_norms(fp16) == [] and "ReduceMean" not in m["op_counts"]
     # ORT's fused form: output 3 carries the sum on; 1 and 2 (statistics its CUDA kernel never makes) absent
     assert {tuple(n.output[1:3]) for n in fp16.graph.node if n.op_type == "SkipLayerNormalization"} == {("", "")}
-    assert m["op_counts"]["Attention"] == BLOCKS[arch]
+    # every block's packed q/k/v projection with its attention, but the last ViT/DeiT one (its q, k give the [CLS]
+    # row too); Swin's windowed attention is not that pattern
+    packed = 0 if arch == "swin" else BLOCKS[arch] - 1
+    assert m["op_counts"].get("com.microsoft:Attention", 0) == packed and m["fused_attention"] == BLOCKS[arch]
     assert m["parity"]["fused_fp32"]["logits_max_abs_diff"] <= 1e-4  # the fusions are gated against PyTorch too
     assert m["parity"]["fp16"]["top1_agreement"] >= 0.99
+
+
+def test_attention_the_fused_op_does_not_compute_is_left_as_it_is(repo):
+    graph = onnx_ir.load(repo / "vit" / "model.onnx")
+    causal = next(n for n in graph.graph if n.op_type == "Attention")
+    causal.attributes["is_causal"] = onnx_ir.AttrInt64("is_causal", 1)
+    assert fuse_for_ort(graph)["Attention"] == BLOCKS["vit"] - 2  # neither the causal one nor the last
 
 
 def test_a_graph_exported_for_one_batch_size_has_no_shape_arithmetic_and_the_same_answers(repo, tmp_path):
