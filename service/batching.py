@@ -102,6 +102,12 @@ class Batcher:
         self._arrived.set()
         return future
 
+    async def settled(self) -> None:
+        """Every batch started so far has finished. A request cancelled before this is awaited has nothing left that
+        writes into its records (the batch being gathered leaves it out), so they may be reused."""
+        if self._running:
+            await asyncio.wait(set(self._running))  # not gather: cancelling the caller must not cancel batches
+
     def _abandon(self, request: _Request) -> None:
         """Its caller went away (the client disconnected): what is not yet in a batch leaves the queue at once."""
         if request in self._waiting:
@@ -141,7 +147,7 @@ class Batcher:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
             except TimeoutError:
                 break
-        return taken
+        return [(request, part) for request, part in taken if not request.future.cancelled()]  # gone meanwhile
 
     async def _loop(self) -> None:
         while True:
@@ -152,6 +158,9 @@ class Batcher:
                 self._slots.release()
                 raise
             self.metrics.queue_depth.labels(self.name).set(self.depth)
+            if not taken:  # all of it given up while the batch was gathered
+                self._slots.release()
+                continue
             task = asyncio.get_running_loop().create_task(self._run(taken))
             self._running.add(task)
             task.add_done_callback(self._running.discard)

@@ -133,6 +133,20 @@ def direct_probabilities(model_dir: Path, image: bytes) -> np.ndarray:
     return np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
 
 
+def leave_mid_request(url: str, model: str, image: bytes, images: int, clients: int) -> None:
+    """`clients` /classify uploads of `images` copies of `image`, each client gone a third into its upload, then as
+    many gone right after sending it all (their requests decoded and queued)."""
+    host, port = url.removeprefix("http://").split(":")
+    parts = b"".join(b"--b\r\nContent-Disposition: form-data; name=\"files\"; filename=\"a.jpg\"\r\n\r\n" + image
+                     + b"\r\n" for _ in range(images)) + b"--b--\r\n"
+    head = (f"POST /classify?model={model} HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+            f"boundary=b\r\nContent-Length: {len(parts)}\r\n\r\n").encode()
+    for sent in (parts[: len(parts) // 3], parts):
+        for _ in range(clients):
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(head + sent)
+
+
 def process_metrics(text: str) -> dict[str, float]:
     """The process_* samples of Prometheus text: CPU seconds, resident memory, open files."""
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples

@@ -4,7 +4,6 @@ on fails only its own requests; clients that go away mid-upload or mid-queue lea
 import asyncio
 import json
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -12,7 +11,8 @@ import httpx
 import onnx
 import pytest
 from onnx import TensorProto, helper
-from service_process import ROOT, direct_probabilities, metric, photo_bytes, process_metrics, running_service
+from service_process import (ROOT, direct_probabilities, leave_mid_request, metric, photo_bytes, process_metrics,
+                             running_service)
 
 from repository import sha256
 
@@ -117,16 +117,8 @@ def test_clients_that_leave_mid_upload_or_mid_queue_leave_nothing_behind(url):
     def images_done() -> float:
         return metric(httpx.get(f"{url}/metrics", timeout=10).text, "vitserve_images_total", model="shapes-vit")
 
-    host, port = url.removeprefix("http://").split(":")
-    parts = b"".join(b"--b\r\nContent-Disposition: form-data; name=\"files\"; filename=\"a.jpg\"\r\n\r\n" + JPEG
-                     + b"\r\n" for _ in range(32)) + b"--b--\r\n"
-    head = ("POST /classify?model=shapes-vit HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
-            f"boundary=b\r\nContent-Length: {len(parts)}\r\n\r\n").encode()
     before, computed = open_fds(), images_done()
-    for sent in (parts[: len(parts) // 3], parts):  # gone a third into the upload; gone once it is queued
-        for _ in range(10):
-            with socket.create_connection((host, int(port))) as s:
-                s.sendall(head + sent)
+    leave_mid_request(url, "shapes-vit", JPEG, images=32, clients=10)
     time.sleep(1)
     assert images_done() - computed < 320 / 2  # most of the 320 images were dropped, not run for nobody
     ok = httpx.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)}, params={"model": "shapes-vit"}, timeout=30)

@@ -72,6 +72,26 @@ def test_workers_share_one_inference_process_its_batches_and_its_attention_resul
             with pytest.raises(Unavailable, match="no room"):  # a worker's own slots are bounded too
                 with first.records("shapes-deit", "image", settings.queue_limit + settings.max_files + 1):
                     pass
+            # a caller that gives up (its client left) while its images wait in a partial batch: the inference
+            # process leaves them out, writes nothing into their records, and the slots come back with its reply
+            with first.records("shapes-deit", "image", 4) as gone, second.records("shapes-deit", "image", 1) as b:
+                gone["image"], gone["batch_size"], b["image"] = pixels[0], 0, pixels[1]
+                with second.preparing("shapes-deit"):  # the partial batch waits up to 50 ms for the second worker
+                    left = asyncio.create_task(first.run("shapes-deit", gone, 1))
+                    await asyncio.sleep(0.01)
+                    left.cancel()
+                    await asyncio.sleep(0.1)
+                await second.run("shapes-deit", b, 1)
+                assert gone["batch_size"].tolist() == [0] * 4 and b["batch_size"][0] == 1
+                np.testing.assert_allclose(b["logits"][0], want[0][1], atol=1e-5)
+            for _ in range(200):  # every slot free again, once the inference process has answered for it
+                try:
+                    with first.records("shapes-deit", "image", settings.queue_limit + settings.max_files):
+                        break
+                except Unavailable:
+                    await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the slots of a cancelled request never came back")
             assert await first.recall("nope") is None
             kept = AttentionRecord("shapes-deit", {"cls_attention": want[1][0]}, pixels[0], pixels[0], (96, 96))
             assert await first.keep("key", kept)

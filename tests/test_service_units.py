@@ -246,6 +246,23 @@ def test_batcher_refuses_beyond_its_queue_limit_and_skips_abandoned_requests():
     assert calls == [1] and result["logits"][0, 0] == 6
 
 
+def test_a_request_given_up_while_its_batch_is_gathered_is_left_out_of_it():
+    async def go(batcher):
+        with batcher.preparing():  # another request is decoding: the partial batch waits for it, up to 0.1 s
+            gone = batcher.submit(images(1, 2))
+            await asyncio.sleep(0.01)  # now in the batch being gathered, out of the queue
+            assert batcher.depth == 0
+            gone.cancel()
+            await asyncio.sleep(0.15)  # the batch closes with nothing left in it
+        await batcher.settled()  # nothing runs for it, so nothing will write into its records
+        kept = images(3)
+        await batcher.submit(kept)
+        return kept
+
+    result, calls = _run_batcher(go, max_queue_delay_s=0.1)
+    assert calls == [1] and result["logits"][0, 0] == 6  # no batch for the cancelled request, not even an empty one
+
+
 def test_a_request_whose_client_left_leaves_the_queue_at_once():
     async def main():
         batcher = Batcher("m", lambda parts, queue_ms: 0.0, None, Metrics(), 4, 10.0, 8)  # not started: none taken

@@ -188,11 +188,18 @@ class LocalBackend:
             batcher.expect(requests)
 
     async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None) -> None:
+        """Results written into `records`. Cancelled, it returns only once nothing writes into them any more (the
+        inference process serves records in shared memory that a worker reuses once this answers)."""
+        batcher = self._batcher(model)
         try:
-            future = self._batcher(model).submit(records, top_k, jpegs)
+            future = batcher.submit(records, top_k, jpegs)
         except QueueFull as e:
             raise overloaded(str(e), self.settings.retry_after_s) from None
-        await future
+        try:
+            await future
+        except asyncio.CancelledError:
+            await batcher.settled()
+            raise
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         graph = self.plans[model].graph

@@ -2,8 +2,10 @@
 
 Each worker (a uvicorn process on the shared listening socket) parses and decodes on its own cores, straight
 into its arenas, and sends the inference process one small message per request saying which records to run.
-Results come back in the same records. Model status is pushed by the inference process; attention results
-are kept there too, so any worker can answer GET /attention-map.
+Results come back in the same records. A request given up (client gone, timeout) is cancelled there too; its
+records stay leased until the inference process answers for it, when nothing writes into them any more. Model
+status is pushed by the inference process; attention results are kept there too, so any worker can answer
+GET /attention-map.
 """
 import asyncio
 import logging
@@ -118,7 +120,12 @@ class ProcessBackend:
         if lease is not None:
             lease.holders += 1  # held until the reply, whatever happens to the caller
         self._writer.write(wire.pack({**message, "id": key}, arrays))
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:  # our caller gave up (its client left, or it timed out): so does the work
+            if not self._writer.is_closing():
+                self._writer.write(wire.pack({"op": "cancel", "id": key}))  # the lease is held until the reply
+            raise
 
     async def loaded(self) -> None:
         await self._loaded.wait()

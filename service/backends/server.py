@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import logging
 import signal
+from collections.abc import Coroutine
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +62,7 @@ class InferenceServer:
         writer.write(wire.pack({"op": "hello", "entries": entries, "problems": self.backend.problems,
                                 **self._status_message()}))
         self._writers.add(writer)
-        mine: set[asyncio.Task] = set()
+        mine: dict[int, asyncio.Task] = {}  # by message id
         preparing: dict[str, int] = {}  # by model: requests this worker is decoding
         try:
             while True:
@@ -70,19 +71,38 @@ class InferenceServer:
                     preparing[message["model"]] = preparing.get(message["model"], 0) + message["requests"]
                     self.backend.expect(message["model"], message["requests"])
                     continue
-                task = asyncio.create_task(self._answer(message, arrays, arenas, writer))
-                for tasks in (self._tasks, mine):
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
+                if message["op"] == "cancel":  # its client has gone: stop the work, then answer for it
+                    task = mine.get(message["id"])
+                    if task is not None and task.cancel():
+                        self._track(self._answer_cancelled(task, message["id"], writer))
+                    continue
+                key = message["id"]
+                mine[key] = self._track(self._answer(message, arrays, arenas, writer))
+                mine[key].add_done_callback(lambda _, key=key: mine.pop(key, None))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the worker has gone: its queued requests are abandoned
         finally:
             self._writers.discard(writer)
             for model, requests in preparing.items():
                 self.backend.expect(model, -requests)
-            for task in mine:
+            for task in list(mine.values()):
                 task.cancel()
             writer.close()
+
+    def _track(self, work: Coroutine) -> asyncio.Task:
+        """`work` as a task that stopping waits for."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _answer_cancelled(self, task: asyncio.Task, key: int, writer: asyncio.StreamWriter) -> None:
+        """The reply to a cancelled request, once its task has ended: LocalBackend.run returns only when nothing
+        writes into the request's records any more, and the worker frees them on this reply."""
+        await asyncio.wait({task})
+        if not writer.is_closing():
+            writer.write(wire.pack({"id": key, "error": to_wire(ServiceError("cancelled: its client has gone",
+                                                                             "cancelled"))}))
 
     async def _answer(self, message: dict, arrays: dict, arenas: dict, writer: asyncio.StreamWriter) -> None:
         reply, out = {"id": message["id"]}, {}
