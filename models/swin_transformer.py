@@ -5,10 +5,12 @@ Tokens live on a 2-D grid ([B, H, W, C], channels last). Each block attends only
 M x M windows, with a learned relative position bias added to the attention scores; every second block
 shifts the windows by M/2 with a cyclic roll and masks attention between tokens that the roll brought
 together from opposite edges. Between stages, patch merging concatenates each 2 x 2 neighbourhood (4C)
-and projects it to 2C, halving the grid. Inside a stage the residual stream is kept as token rows
-[B, H*W, C], windows cut from a grid view of it: each residual sum that feeds a LayerNorm is then the
-[batch, sequence, hidden] pattern ONNX Runtime fuses into one kernel (export/fusion.py). The classifier
-averages the last stage's tokens.
+and projects it to 2C, halving the grid. The classifier averages the last stage's tokens.
+
+Inside a stage the residual stream is kept as token rows [B, H*W, C]: each residual sum that feeds a
+LayerNorm is then the [batch, sequence, hidden] pattern ONNX Runtime fuses into one kernel
+(export/fusion.py), and a block's windows (shift and padding included) are one Gather from the rows and one
+back (`window_order`), where the roll, pad and transposes were eleven copies in the exported graph.
 
 Parameter names and shapes are timm's (`layers.N.downsample` at the start of a stage, `head.fc`);
 `checkpoint_filter_fn` also reads the official release layout (downsample at the end of a stage, `head`,
@@ -32,18 +34,29 @@ def window_partition(x: torch.Tensor, window: int) -> torch.Tensor:
     return x.reshape(-1, window * window, C)
 
 
-def window_reverse(windows: torch.Tensor, window: int, H: int, W: int) -> torch.Tensor:
-    """Inverse of `window_partition`: [B * windows, window * window, C] -> [B, H, W, C]."""
-    C = windows.shape[-1]
-    x = windows.view(-1, H // window, W // window, window, window, C).permute(0, 1, 3, 2, 4, 5)
-    return x.reshape(-1, H, W, C)
-
-
 def relative_position_index(window: int) -> torch.Tensor:
     """[M*M, M*M] index into the (2M-1)^2-row bias table for every (query, key) pair in a window."""
     coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
     rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)  # shift to start at 0
     return rel[..., 0] * (2 * window - 1) + rel[..., 1]
+
+
+def window_order(height: int, width: int, window: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the cyclic shift, the padding and the window partition put each token, as two index lists: for each
+    window position (windows in row-major order, M*M tokens each) the row it reads in a [B, H*W (+1), C] token
+    list, padding reading the extra zero row H*W; and for each row, the window position it ends up at.
+
+    One Gather each way instead of a roll (two slices and a concatenation per axis), a pad and a 6-D transpose.
+    """
+    padded = (-(-height // window) * window, -(-width // window) * window)
+    rows = torch.arange(height * width).view(1, height, width, 1)
+    if shift:
+        rows = torch.roll(rows, shifts=(-shift, -shift), dims=(1, 2))
+    rows = F.pad(rows, (0, 0, 0, padded[1] - width, 0, padded[0] - height), value=height * width)
+    to_windows = window_partition(rows, window).flatten()
+    to_rows = torch.empty(height * width + 1, dtype=torch.long)  # the last slot takes the padding's positions
+    to_rows[to_windows] = torch.arange(len(to_windows))
+    return to_windows, to_rows[:-1]
 
 
 def shifted_window_mask(height: int, width: int, window: int, shift: int) -> torch.Tensor:
@@ -109,7 +122,7 @@ class WindowAttention(nn.Module):
 
 
 class SwinTransformerBlock(nn.Module):
-    """(Shifted) window attention and MLP, each pre-norm with a residual, on a [B, H, W, C] grid."""
+    """(Shifted) window attention and MLP, each pre-norm with a residual, on the token rows of an H x W grid."""
 
     def __init__(self, dim: int, resolution: tuple[int, int], num_heads: int, window: int, shift: int,
                  mlp_ratio: float = 4.0, qkv_bias: bool = True, drop: float = 0.0, attn_drop: float = 0.0,
@@ -129,32 +142,35 @@ class SwinTransformerBlock(nn.Module):
         padded = [-(-r // window) * window for r in resolution]  # a grid not divisible by M is padded
         mask = shifted_window_mask(padded[0], padded[1], window, shift) if shift else None
         self.register_buffer("attn_mask", mask, persistent=False)
+        self.padded = padded != list(resolution)
+        to_windows, to_rows = window_order(*resolution, window, shift)
+        self.register_buffer("to_windows", to_windows, persistent=False)
+        self.register_buffer("to_rows", to_rows, persistent=False)
 
-    def _to_grid(self, windows: torch.Tensor, H: int, W: int) -> torch.Tensor:
-        """Window tokens [B * windows, M*M, C] back to the unshifted, unpadded grid [B, H, W, C]."""
-        x = window_reverse(windows, self.window, H + -H % self.window, W + -W % self.window)[:, :H, :W, :]
-        return torch.roll(x, shifts=(self.shift, self.shift), dims=(1, 2)) if self.shift else x
+    def _windows(self, x: torch.Tensor) -> torch.Tensor:
+        """Token rows [B, H*W, C] -> shifted, padded windows [B * windows, M*M, C]."""
+        if self.padded:
+            x = F.pad(x, (0, 0, 0, 1))  # the zero row that padding reads
+        return x.index_select(1, self.to_windows).reshape(-1, self.window * self.window, x.shape[-1])
+
+    def _rows(self, windows: torch.Tensor, batch: int) -> torch.Tensor:
+        """Inverse of `_windows`: [B * windows, M*M, C] -> token rows [B, H*W, C], unshifted, unpadded."""
+        return windows.reshape(batch, -1, windows.shape[-1]).index_select(1, self.to_rows)
 
     def _attn(self, x: torch.Tensor, received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        B, H, W, C = x.shape
-        if self.shift:
-            x = torch.roll(x, shifts=(-self.shift, -self.shift), dims=(1, 2))
-        pad_h, pad_w = -H % self.window, -W % self.window
-        if pad_h or pad_w:
-            x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
-        out = self.attn(window_partition(x, self.window), mask=self.attn_mask, received=received)
+        B = x.shape[0]
+        out = self.attn(self._windows(x), mask=self.attn_mask, received=received)
         if not received:
-            return self._to_grid(out, H, W)
+            return self._rows(out, B)
         out, got = out
-        return self._to_grid(out, H, W), self._to_grid(got.transpose(1, 2), H, W)  # [B, H, W, heads]
+        return self._rows(out, B), self._rows(got.transpose(1, 2), B).view(B, *self.resolution, -1)
 
     def forward(self, x: torch.Tensor, received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token rows [B, H*W, C] -> the same. With `received`, also returns the attention each token receives in
         its window, [B, H, W, heads]."""
-        B, L, C = x.shape
-        attn = self._attn(self.norm1(x).view(B, *self.resolution, C), received)
+        attn = self._attn(self.norm1(x), received)
         attn, got = attn if received else (attn, None)
-        x = x + self.drop_path(attn.reshape(B, L, C))
+        x = x + self.drop_path(attn)
         x = x + self.drop_path(self.mlp(self.norm2(x)))
         return (x, got) if received else x
 
