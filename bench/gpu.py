@@ -179,7 +179,7 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
                     try:
                         calls["ORT fp16 CUDA graph"] = cuda_graph_on_device(model, batch, cache)
                         calls["ORT fp16 CUDA graph"]()  # the capture, here so that a failure is named, not fatal
-                    except RuntimeError as e:
+                    except Exception as e:  # ONNX Runtime's errors derive from Exception alone
                         calls.pop("ORT fp16 CUDA graph", None)
                         skipped.append(f"fp16 CUDA graph, {model} batch {batch}: {e}")
             else:
