@@ -71,7 +71,12 @@ def shifted_window_mask(height: int, width: int, window: int, shift: int) -> tor
 
 
 class WindowAttention(nn.Module):
-    """Multi-head self-attention inside a window, with a relative position bias per head."""
+    """Multi-head self-attention inside a window, with a relative position bias per head.
+
+    `forward` stops before the output projection: `project` is applied by the block once the tokens are back
+    in row order (a per-token Linear does not care about their order), so that its bias Add meets the residual
+    sum and the LayerNorm after it, which ONNX Runtime then runs as one kernel.
+    """
 
     def __init__(self, dim: int, num_heads: int, window: int, qkv_bias: bool = True,
                  attn_drop: float = 0.0, proj_drop: float = 0.0):
@@ -92,9 +97,13 @@ class WindowAttention(nn.Module):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
         return bias.permute(2, 0, 1)
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj_drop(self.proj(x))
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: [B * windows, M*M, C]; mask: [windows, M*M, M*M] or None.
+        """x: [B * windows, M*M, C]; mask: [windows, M*M, M*M] or None -> the heads' outputs side by side,
+        [B * windows, M*M, C], not yet projected.
 
         With `received`, also returns the attention each token receives, averaged over its window's
         queries, [B * windows, heads, M*M], computed beside the fused kernel.
@@ -114,7 +123,7 @@ class WindowAttention(nn.Module):
             q, k, v = (t.reshape(-1, windows * heads, N, C // heads) for t in (q, k, v))
         dropout = self.attn_drop if self.training else 0.0
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
-        out = self.proj_drop(self.proj(out.reshape(B_, heads, N, -1).transpose(1, 2).reshape(B_, N, C)))
+        out = out.reshape(B_, heads, N, -1).transpose(1, 2).reshape(B_, N, C)
         if not received:
             return out
         probs = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1) + bias).softmax(dim=-1)
@@ -161,9 +170,9 @@ class SwinTransformerBlock(nn.Module):
         B = x.shape[0]
         out = self.attn(self._windows(x), mask=self.attn_mask, received=received)
         if not received:
-            return self._rows(out, B)
+            return self.attn.project(self._rows(out, B))
         out, got = out
-        return self._rows(out, B), self._rows(got.transpose(1, 2), B).view(B, *self.resolution, -1)
+        return self.attn.project(self._rows(out, B)), self._rows(got.transpose(1, 2), B).view(B, *self.resolution, -1)
 
     def forward(self, x: torch.Tensor, received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token rows [B, H*W, C] -> the same. With `received`, also returns the attention each token receives in
