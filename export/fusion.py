@@ -28,6 +28,11 @@ def _constant(value: ir.Value) -> np.ndarray | None:
     return value.const_value.numpy() if value.const_value is not None else None
 
 
+def _ints(value: ir.Value) -> list[int] | None:
+    const = _constant(value)
+    return None if const is None else const.tolist()
+
+
 class PackedQkvAttention(RewriteRuleClassBase):
     """x @ Wqkv + b -> [B, N, 3, heads, d] -> q, k, v -> opset-23 Attention -> [B, N, D], as torch exports
     timm's attention, into com.microsoft Attention(x, Wqkv, b)."""
@@ -49,12 +54,9 @@ class PackedQkvAttention(RewriteRuleClassBase):
             return result.fail("the q, k, v projection and the head shape must be constants")
         if shape[2] != 3 or 3 * shape[3] * shape[4] != w.shape[1]:
             return result.fail("not one projection packing q, k and v")
-        cuts = [[_constant(v) for v in pair] for pair in ((s0, e0), (s1, e1), (s2, e2))]
-        if any(c is None for pair in cuts for c in pair) or [[c.tolist() for c in p] for p in cuts] != [
-                [[0], [1]], [[1], [2]], [[2], [3]]]:
+        if [[_ints(s), _ints(e)] for s, e in ((s0, e0), (s1, e1), (s2, e2))] != [[[0], [1]], [[1], [2]], [[2], [3]]]:
             return result.fail("not q, k, v in their packed order")
-        if any(_constant(a) is None or _constant(a).tolist() != [0]
-               for a in (a0, a1, a2)):
+        if [_ints(a) for a in (a0, a1, a2)] != [[0]] * 3:
             return result.fail("not cut along the q/k/v axis")
         attrs = attention.producer().attributes
         variants = ("is_causal", 0), ("softcap", 0.0), ("qk_matmul_output_mode", 0)
