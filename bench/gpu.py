@@ -6,7 +6,7 @@ service's figures divided by the raw session's.
 
 graphs:  images/s of each model at each batch, the variants alternating round by round (medians):
          ORT fp32/fp16 "dev" (input and outputs resident on the GPU, IOBinding with OrtValues; fp16 as exported,
-         with ORT's fused kernels written in, and "fp16 unfused", the fp32 graph only converted; at batch <= 8
+         with ORT's fused kernels written in, and "fp16 unfused", converted without those fusions; at batch <= 8
          also "fp16 CUDA graph", exported for exactly that batch and replayed as a CUDA graph), the service's
          `Runner` (numpy in, outputs copied back), the project's PyTorch model in fp16, eager and under
          torch.compile (inductor; compiled once per batch size, not timed), timm with AMP and channels_last if it
@@ -44,6 +44,8 @@ from service.loadtest import classify_requests, run_level_processes, v2_requests
 from service.runtime import CPU, CUDA, Runner, choose_device  # noqa: E402
 from service_process import running_service  # noqa: E402
 
+from bench.export_speed import fp16_graph  # noqa: E402
+
 CUDA_GRAPH_MAX_BATCH = 8  # a CUDA graph saves kernel launches, which only small batches notice
 CUDA_MODELS = ["deit_tiny_patch16_224", "deit_small_patch16_224", "vit_base_patch16_224",
                "swin_tiny_patch4_window7_224"]
@@ -74,15 +76,6 @@ def median_rates(calls: dict, batch: int, rounds: int, seconds: float) -> dict[s
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
-def unfused_fp16(fp32: Path) -> Path:
-    """The exported fp32 graph converted to fp16 without export.fusion's rewrites, beside it."""
-    path = fp32 / "unfused-fp16.onnx"
-    if not path.exists():
-        from export.precision import convert_fp16
-        convert_fp16(fp32 / "model.onnx", path)
-    return path
-
-
 def ort_on_device(folder: Path, batch: int, graph: Path | None = None):
     """One run with the uint8 input and every output resident on the GPU (`graph`: another graph for the same
     inputs and outputs)."""
@@ -101,7 +94,6 @@ def ort_on_device(folder: Path, batch: int, graph: Path | None = None):
 def cuda_graph_on_device(model: str, batch: int, cache: Path):
     """The fp16 graph exported for exactly `batch` images (no shape arithmetic left to run on the CPU), captured
     once as a CUDA graph and replayed; inputs and outputs stay at fixed GPU addresses, as replay needs."""
-    from bench.export_speed import fp16_graph
     session = ort.InferenceSession(str(fp16_graph(cache, model, fused=True, batch=batch)),
                                    providers=[(CUDA, {"enable_cuda_graph": "1"})])
     binding = session.io_binding()
@@ -172,7 +164,7 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
         for batch in batches:
             if cuda:
                 calls = {"ORT fp32 dev": ort_on_device(fp32, batch), "ORT fp16 dev": ort_on_device(fp16, batch),
-                         "ORT fp16 unfused dev": ort_on_device(fp16, batch, unfused_fp16(fp32)),
+                         "ORT fp16 unfused dev": ort_on_device(fp16, batch, fp16_graph(cache, model, fused=False)),
                          "Runner fp16": runner(fp16, batch, CUDA), "torch fp16": torch_model(model, batch, True),
                          "torch.compile fp16": torch_model(model, batch, True, compiled=True)}
                 if batch <= CUDA_GRAPH_MAX_BATCH:
