@@ -98,11 +98,13 @@ def _session(path: Path, providers: list[str]) -> ort.InferenceSession:
         ort.set_default_logger_severity(2)
 
 
-def _check_fusion(proto, model: nn.Module) -> dict[str, int]:
+def _check_fusion(proto, model: nn.Module, written_out: int = 0) -> dict[str, int]:
+    """Op counts, once every block's attention is one fused op (but `written_out`, the fp16 graph's masked
+    attention that fuse_for_ort wrote out as MatMuls for ORT's CUDA kernels)."""
     counts = op_counts(proto)
     unfused = unfused_attention(proto)
     fused, expected = fused_attention_count(counts), expected_attention_blocks(model)
-    if unfused or fused != expected:
+    if len(unfused) > written_out or fused + written_out != expected:
         raise ExportError(f"attention is not fused: {fused} fused attention ops for {expected} blocks, "
                           f"unfused MatMul-Softmax-MatMul at {unfused or 'none'}")
     return counts
@@ -166,7 +168,7 @@ def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progr
         f"top-1 agreement {parity['top1_agreement']:.3f}")
     if precision == "fp32":
         return proto, counts, parity
-    reports, source = {"fp32": parity}, fp32_path
+    reports, source, fusions = {"fp32": parity}, fp32_path, {}
     if precision == "fp16":
         source = work / "fused.onnx"
         fusions = fuse_for_ort(graph)
@@ -176,7 +178,7 @@ def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progr
             f"logits max |diff| {reports['fused_fp32']['logits_max_abs_diff']:.2e}")
     log(f"converting to {precision}")
     proto = CONVERTERS[precision](source, work / "model.onnx")
-    counts = _check_fusion(proto, model)
+    counts = _check_fusion(proto, model, fusions.get("masked attention as MatMuls", 0))
     reduced = check_reduced(_session(work / "model.onnx", PROVIDERS[precision]), fp32, inputs)
     log(f"{precision} vs fp32 on {reduced['provider']}: top-1 agreement {reduced['top1_agreement']:.4f}, logit error "
         f"{reduced['logits_relative_error']:.2%} of the spread "
@@ -212,7 +214,7 @@ def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, 
         "input": {"name": IMAGES, "dtype": "uint8", "layout": "NHWC", "size": [spec.img_size, spec.img_size],
                   "resize_short_side": round(spec.img_size / spec.crop_pct), "crop": "center",
                   "interpolation": spec.interpolation, "mean": list(spec.mean), "std": list(spec.std),
-                  "in_graph": "cast to float32, (x / 255 - mean) / std, NHWC to NCHW"},
+                  "in_graph": "cut into patches from NHWC, cast to float32, (x / 255 - mean) / std"},
         "tensor_input": {"name": TENSOR, "dtype": "float32", "layout": "NCHW"},
         "outputs": _outputs(proto),
         "attention": _attention_section(model, explain_outputs),
