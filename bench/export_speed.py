@@ -3,7 +3,7 @@
     python bench/export_speed.py                       # DeiT-S and Swin-T at batch 1 and 16
     python bench/export_speed.py --models deit_tiny_patch16_224 --batches 1 8 --rounds 10
     python bench/export_speed.py --profile 16          # also: where ORT fp32 and int8 spend a batch of 16
-    python bench/export_speed.py --profile 64 --profile-device cuda   # where ORT fp32 and fp16 spend it on CUDA
+    python bench/export_speed.py --profile 64 --profile-device cuda   # GPU time by kernel of ORT fp32 and fp16
                                                        # (fp16 as exported, and without its ORT fusions)
     python bench/export_speed.py --int8-variants       # also: per-channel and unsigned int8 weights
     python bench/export_speed.py --conv-patch-embed    # also: the graph with the patch embedding as a Conv
@@ -104,13 +104,13 @@ def fp16_graph(cache: Path, name: str, fused: bool, batch: int | None = None) ->
     return path
 
 
-def op_times(path: Path, batch: int, size: int, provider: str, runs: int = 3) -> tuple[str, dict[str, float]]:
-    """ORT's own profile: the provider the session got, and milliseconds per batch spent in each operator type
-    (as fused by level `all`)."""
+def op_times(path: Path, batch: int, size: int, runs: int = 3) -> tuple[str, dict[str, float]]:
+    """ORT's own profile on the CPU: the provider the session got, and milliseconds per batch spent in each
+    operator type (as fused by level `all`)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = os.cpu_count()
     options.enable_profiling = True
-    session = ort.InferenceSession(str(path), options, providers=[provider])
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     x = np.random.default_rng(0).standard_normal((batch, 3, size, size), dtype=np.float32)
     for _ in range(1 + runs):  # the first run (allocations, kernel choice) is left out below
         session.run(None, graph_inputs(x))
@@ -125,23 +125,45 @@ def op_times(path: Path, batch: int, size: int, provider: str, runs: int = 3) ->
     return session.get_providers()[0], dict(totals.most_common())
 
 
+def kernel_times(path: Path, batch: int, size: int, runs: int = 3) -> tuple[str, dict[str, float]]:
+    """GPU milliseconds per batch by CUDA kernel, recorded by CUPTI through torch.profiler. Not ORT's own
+    profile: on CUDA that times each node's launch on the host, which put Swin-T's masked attention at 10% of
+    its fp16 time when its softmax kernel took half of the GPU's."""
+    from torch.profiler import ProfilerActivity, profile
+    session = ort.InferenceSession(str(path), providers=["CUDAExecutionProvider"])
+    feeds = graph_inputs(np.random.default_rng(0).standard_normal((batch, 3, size, size), dtype=np.float32))
+    for _ in range(2):  # allocations, kernel choice
+        session.run(None, feeds)
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(runs):
+            session.run(None, feeds)
+    totals = collections.Counter()
+    for event in trace.key_averages():
+        totals[kernel_name(event.key)] += event.self_device_time_total / 1e3 / runs
+    return session.get_providers()[0], {k: v for k, v in totals.most_common() if v > 0}
+
+
+def kernel_name(signature: str) -> str:
+    """'void onnxruntime::cuda::_GatherKernel<short>(long, ...)' -> '_GatherKernel'."""
+    return signature.removeprefix("void ").split("<")[0].split("(")[0].split("::")[-1][:48].strip()
+
+
 def print_profile(name: str, cache: Path, batch: int, size: int, device: str) -> None:
     if device == "cuda":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             print(f"\n{name}: no CUDA profile, the CUDA provider is not in this onnxruntime")
             return
-        provider = "CUDAExecutionProvider"
         graphs = {"fp32": graph_path(cache, name, "fp32"), "fp16 unfused": fp16_graph(cache, name, fused=False),
                   "fp16": fp16_graph(cache, name, fused=True)}
+        profiles = {p: kernel_times(path, batch, size) for p, path in graphs.items()}
+        print(f"\n{name}, batch {batch}: GPU ms per batch by kernel (CUPTI, 3 runs, the float input copied in)")
     else:
-        provider = "CPUExecutionProvider"
-        graphs = {p: graph_path(cache, name, p) for p in ("fp32", "int8")}
-    profiles = {p: op_times(path, batch, size, provider) for p, path in graphs.items()}
-    print(f"\n{name}, batch {batch}: ms per batch by operator type (ORT's profile of 3 runs)")
+        profiles = {p: op_times(graph_path(cache, name, p), batch, size) for p in ("fp32", "int8")}
+        print(f"\n{name}, batch {batch}: ms per batch by operator type (ORT's profile of 3 runs)")
     for precision, (used, times) in profiles.items():
         total = sum(times.values())
-        top = ", ".join(f"{op} {ms:.0f} ({ms / total:.0%})" for op, ms in list(times.items())[:8])
-        print(f"  {precision} on {used}: total {total:.0f}: {top}")
+        top = ", ".join(f"{op} {ms:.1f} ({ms / total:.0%})" for op, ms in list(times.items())[:8])
+        print(f"  {precision} on {used}: total {total:.1f}: {top}")
 
 
 def bench(calls: dict, batch: int, size: int, rounds: int, repeat: int) -> dict[str, float]:
@@ -167,10 +189,12 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--cache", type=Path, default=Path("build/bench"))
-    p.add_argument("--profile", type=int, metavar="BATCH", help="also print ORT's time by operator type at BATCH")
+    p.add_argument("--profile", type=int, metavar="BATCH",
+                   help="also print where ORT spends a batch of BATCH: by operator type on the CPU, by kernel on CUDA")
     p.add_argument("--profile-device", choices=["cpu", "cuda"], default="cpu",
-                   help="profile fp32 and int8 on the CPU, or fp32 and fp16 on CUDA (a session that cannot start "
-                        "there falls back to the CPU: check the provider line)")
+                   help="profile fp32 and int8 on the CPU, or fp32 and fp16 on CUDA (GPU kernel times through "
+                        "torch.profiler; a session that cannot start on CUDA falls back to the CPU: check the "
+                        "provider line)")
     p.add_argument("--int8-variants", action="store_true", help="also time per-channel and u8u8 int8 graphs")
     p.add_argument("--conv-patch-embed", action="store_true",
                    help="also time the fp32 graph with its patch embedding as a strided Conv (before the MatMul)")
