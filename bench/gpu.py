@@ -8,7 +8,8 @@ graphs:  images/s of each model at each batch, the variants alternating round by
          ORT fp32/fp16 "dev" (input and outputs resident on the GPU, IOBinding with OrtValues; fp16 as exported,
          with ORT's fused kernels written in, and "fp16 unfused", converted without those fusions; at batch <= 8
          also "fp16 CUDA graph", exported for exactly that batch and replayed as a CUDA graph), the service's
-         `Runner` (numpy in, outputs copied back), the project's PyTorch model in fp16, eager and under
+         `Runner` (numpy in, outputs copied back; at batch <= 8 also with its CUDA graph, the dynamic graph's
+         batch fixed at load), the project's PyTorch model in fp16, eager and under
          torch.compile (inductor; compiled once per batch size, not timed), timm with AMP and channels_last if it
          imports. Without CUDA: ORT fp32 on the CPU, Runner, PyTorch fp32 eager.
 service: `python -m service` (the backend it picks for this host) on the first model, with its fp16 sibling
@@ -47,6 +48,8 @@ from service_process import running_service  # noqa: E402
 from bench.export_speed import fp16_graph  # noqa: E402
 
 CUDA_GRAPH_MAX_BATCH = 8  # a CUDA graph saves kernel launches, which only small batches notice
+# the CUDA provider's `sdpa_kernel` option: which attention kernel ORT must use (0, its default, picks one)
+SDPA_KERNELS = {"flash": 1, "efficient": 2, "trt-fused": 4, "cudnn": 8, "math": 16}
 CUDA_MODELS = ["deit_tiny_patch16_224", "deit_small_patch16_224", "vit_base_patch16_224",
                "swin_tiny_patch4_window7_224"]
 skipped: list[str] = []
@@ -76,11 +79,12 @@ def median_rates(calls: dict, batch: int, rounds: int, seconds: float) -> dict[s
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
-def ort_on_device(folder: Path, batch: int, graph: Path | None = None):
+def ort_on_device(folder: Path, batch: int, graph: Path | None = None, sdpa_kernel: int = 0):
     """One run with the uint8 input and every output resident on the GPU (`graph`: another graph for the same
-    inputs and outputs)."""
+    inputs and outputs; `sdpa_kernel`: the CUDA provider's attention kernel forced, SDPA_KERNELS)."""
     entry = read_entry(folder)
-    session = ort.InferenceSession(str(graph or entry.path()), providers=[CUDA])
+    options = {"sdpa_kernel": str(sdpa_kernel)} if sdpa_kernel else {}
+    session = ort.InferenceSession(str(graph or entry.path()), providers=[(CUDA, options)])
     h, w = entry.policy.size
     binding = session.io_binding()
     images = ort.OrtValue.ortvalue_from_numpy(np.zeros((batch, h, w, 3), np.uint8), "cuda", 0)
@@ -106,10 +110,15 @@ def cuda_graph_on_device(model: str, batch: int, cache: Path):
     return lambda: session.run_with_iobinding(binding)
 
 
-def runner(folder: Path, batch: int, device: str):
+def runner(folder: Path, batch: int, device: str, cuda_graphs: bool = False):
+    """The service's Runner (numpy in, outputs copied back); `cuda_graphs`: with `batch` replayed as a CUDA
+    graph, as VITSERVE_CUDA_GRAPH_MAX_BATCH does."""
     entry = read_entry(folder)
     h, w = entry.policy.size
-    run = Runner(entry.path(), (entry.manifest["input"]["name"], entry.manifest["tensor_input"]["name"]), [device])
+    inputs = (entry.manifest["input"]["name"], entry.manifest["tensor_input"]["name"])
+    run = Runner(entry.path(), inputs, [device], cuda_graph_max_batch=batch if cuda_graphs else 0)
+    if cuda_graphs and not run.graphs:
+        raise RuntimeError("no CUDA graphs (the service's log line says why)")
     images, tensors = np.zeros((batch, h, w, 3), np.uint8), np.zeros((0, 3, h, w), np.float32)
     return lambda: run.run(images, tensors)
 
@@ -149,7 +158,8 @@ def timm_amp(model: str, batch: int):
     return run
 
 
-def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, rounds: int, seconds: float) -> dict:
+def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, rounds: int, seconds: float,
+           sdpa_kernels: list[str]) -> dict:
     try:
         import timm  # noqa: F401
         has_timm = cuda
@@ -167,13 +177,18 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
                          "ORT fp16 unfused dev": ort_on_device(fp16, batch, fp16_graph(cache, model, fused=False)),
                          "Runner fp16": runner(fp16, batch, CUDA), "torch fp16": torch_model(model, batch, True),
                          "torch.compile fp16": torch_model(model, batch, True, compiled=True)}
+                optional = {f"ORT fp16 dev, sdpa {k}": lambda v=v: ort_on_device(fp16, batch, sdpa_kernel=v)
+                            for k, v in SDPA_KERNELS.items() if k in sdpa_kernels}
                 if batch <= CUDA_GRAPH_MAX_BATCH:
+                    optional["ORT fp16 CUDA graph"] = lambda: cuda_graph_on_device(model, batch, cache)
+                    optional["Runner fp16 CUDA graph"] = lambda: runner(fp16, batch, CUDA, cuda_graphs=True)
+                for name, make in optional.items():
                     try:
-                        calls["ORT fp16 CUDA graph"] = cuda_graph_on_device(model, batch, cache)
-                        calls["ORT fp16 CUDA graph"]()  # the capture, here so that a failure is named, not fatal
+                        calls[name] = make()
+                        calls[name]()  # the first run (a capture, a forced kernel) here: a failure is named, not fatal
                     except Exception as e:  # ONNX Runtime's errors derive from Exception alone
-                        calls.pop("ORT fp16 CUDA graph", None)
-                        skipped.append(f"fp16 CUDA graph, {model} batch {batch}: {e}")
+                        calls.pop(name, None)
+                        skipped.append(f"{name}, {model} batch {batch}: {e}")
             else:
                 calls = {"ORT fp32": runner(fp32, batch, CPU), "torch fp32": torch_model(model, batch, False)}
             if has_timm:
@@ -196,7 +211,7 @@ def jpeg(size: tuple[int, int]) -> bytes:
 
 
 def service(model: str, cache: Path, cuda: bool, clients: list[int], seconds: float, raw: dict,
-            max_batch: int) -> None:
+            max_batch: int, cuda_graph_max_batch: int) -> None:
     repo = export(cache, model).parent
     if cuda:
         export(cache, model, "fp16")
@@ -213,6 +228,7 @@ def service(model: str, cache: Path, cuda: bool, clients: list[int], seconds: fl
     print(f"\nservice: {model}, max batch {max_batch}, clients over {processes} processes; service / raw = images/s "
           f"over the raw session's at batch {max_batch} ({f'{reference:,.0f}' if reference else 'not measured'})")
     settings = {"model_repository": repo, "max_batch_size": max_batch, "queue_limit": 64 * max_batch,
+                "cuda_graph_max_batch": cuda_graph_max_batch,
                 "max_files": 64}
     with running_service(**settings) as url:
         for name, (sender, files) in routes.items():
@@ -266,6 +282,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=5.0, help="per round (graphs) or level (service)")
     p.add_argument("--cache", type=Path, default=ROOT / "build" / "bench" / "gpu")
+    p.add_argument("--sdpa-kernels", nargs="+", choices=SDPA_KERNELS, default=[],
+                   help="graphs: also ORT fp16 dev with this attention kernel forced (the CUDA provider's sdpa_kernel)")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=0,
+                   help="service: VITSERVE_CUDA_GRAPH_MAX_BATCH (small batches replayed as CUDA graphs)")
     args = p.parse_args()
     probe = export(args.cache, (args.models or ["deit_tiny_patch16_224"])[0])
     cuda = choose_device([read_entry(probe)], None) == CUDA
@@ -276,9 +296,10 @@ def main() -> None:
     batches = args.batches or ([1, 64, 256] if cuda else [1, 16])
     device = gpu_name() if cuda else f"no usable GPU, {os.cpu_count()} CPU cores"
     print(f"bench/gpu.py on {device}; onnxruntime {ort.__version__}")
-    raw = graphs(models, batches, args.cache, cuda, args.rounds, args.seconds) if "graphs" in args.parts else {}
+    raw = (graphs(models, batches, args.cache, cuda, args.rounds, args.seconds, args.sdpa_kernels)
+           if "graphs" in args.parts else {})
     if "service" in args.parts:
-        service(models[0], args.cache, cuda, args.clients, args.seconds, raw, max(batches))
+        service(models[0], args.cache, cuda, args.clients, args.seconds, raw, max(batches), args.cuda_graph_max_batch)
     if "decode" in args.parts:
         decoding(cuda, read_entry(probe).policy)
     for line in skipped:

@@ -24,7 +24,7 @@ from service.decode import decode, model_input
 from service.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
 from service.metrics import Metrics
 from service.records import Part, record_dtype, top_k, write_results
-from service.runtime import CPU, CUDA, serving_plan
+from service.runtime import CPU, CUDA, Runner, graph_batches, serving_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
@@ -322,6 +322,14 @@ def test_the_serving_plan_is_decided_once_from_the_device():
     on_cpu = serving_plan(entries, CPU)
     assert (on_cpu["deit"].graph, on_cpu["deit"].precision, on_cpu["deit"].provider) == ("deit", "fp32", CPU)
     assert "CUDA only" in on_cpu["deit-fp16"].error and on_cpu["vit-int8"].error is None
+
+
+def test_cuda_graphs_come_in_powers_of_two_and_leave_the_cpu_alone():
+    assert graph_batches(8) == [1, 2, 4, 8] and graph_batches(6) == [1, 2, 4] and graph_batches(0) == []
+    runner = Runner(REPO / "shapes-vit" / "model.onnx", ("images", "pixel_values"), [CPU], cuda_graph_max_batch=8)
+    assert runner.graphs == {}
+    logits = runner.run(np.zeros((3, 96, 96, 3), np.uint8), np.zeros((0, 3, 96, 96), np.float32))["logits"]
+    assert logits.shape == (3, 6)
 
 
 # -- the attention cache -----------------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ class LocalBackend:
 
     def _open(self, entry: ModelEntry, plan: Plan) -> Runner:
         runner = Runner(entry.path(), _input_names(entry), list(plan.providers), self.settings.intra_op_threads,
-                        self.settings.spin_wait, self.settings.cuda_tf32)
+                        self.settings.spin_wait, self.settings.cuda_tf32, self.settings.cuda_graph_max_batch)
         # first runs allocate memory and pick kernels: do them before the first request does
         h, w = entry.policy.size
         start, no_tensors = time.perf_counter(), np.zeros((0, 3, h, w), np.float32)
