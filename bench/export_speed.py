@@ -32,7 +32,7 @@ import torch
 from onnxruntime.quantization import QuantType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from export.fusion import fuse_for_ort  # noqa: E402
+from export.fusion import REWRITES, fuse_for_ort  # noqa: E402
 from export.graph import MainGraph, export_form, export_graph, export_program, save_graph  # noqa: E402
 from export.precision import convert_fp16, quantize_int8  # noqa: E402
 from models import create_model  # noqa: E402
@@ -88,16 +88,17 @@ def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool
     return calls, size
 
 
-def fp16_graph(cache: Path, name: str, fused: bool, batch: int | None = None) -> Path:
-    """The fp16 graph as `python -m export --precision fp16` writes it (fused for ORT), or without the fusions;
-    with `batch`, exported for that many images, every shape fixed."""
-    path = graph_path(cache, name, ("fp16" if fused else "fp16-unfused") + (f"-static{batch}" if batch else ""))
+def fp16_graph(cache: Path, name: str, without: tuple[str, ...] = (), batch: int | None = None) -> Path:
+    """The fp16 graph as `python -m export --precision fp16` writes it (fused for ORT), or without some of
+    fuse_for_ort's REWRITES (all of them: "unfused"); with `batch`, exported for that many images, every shape
+    fixed."""
+    left_out = "-unfused" if set(without) == set(REWRITES) else "".join(f"-without-{w}" for w in without)
+    path = graph_path(cache, name, "fp16" + left_out.replace(" ", "_") + (f"-static{batch}" if batch else ""))
     if not path.exists():
         torch.manual_seed(0)
         model = create_model(name)
         graph = export_program(MainGraph(export_form(model)), model.spec.img_size, batch)
-        if fused:
-            fuse_for_ort(graph)
+        fuse_for_ort(graph, without)
         with tempfile.TemporaryDirectory() as tmp:
             save_graph(graph, Path(tmp) / "fp32.onnx")
             convert_fp16(Path(tmp) / "fp32.onnx", path)
@@ -153,8 +154,8 @@ def print_profile(name: str, cache: Path, batch: int, size: int, device: str) ->
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             print(f"\n{name}: no CUDA profile, the CUDA provider is not in this onnxruntime")
             return
-        graphs = {"fp32": graph_path(cache, name, "fp32"), "fp16 unfused": fp16_graph(cache, name, fused=False),
-                  "fp16": fp16_graph(cache, name, fused=True)}
+        graphs = {"fp32": graph_path(cache, name, "fp32"), "fp16 unfused": fp16_graph(cache, name, tuple(REWRITES)),
+                  "fp16": fp16_graph(cache, name)}
         profiles = {p: kernel_times(path, batch, size) for p, path in graphs.items()}
         print(f"\n{name}, batch {batch}: GPU ms per batch by kernel (CUPTI, 3 runs, the float input copied in)")
     else:

@@ -6,11 +6,11 @@ service's figures divided by the raw session's.
 
 graphs:  images/s of each model at each batch, the variants alternating round by round (medians):
          ORT fp32/fp16 "dev" (input and outputs resident on the GPU, IOBinding with OrtValues; fp16 as exported,
-         with ORT's fused kernels written in, and "fp16 unfused", converted without those fusions; at batch <= 8
-         also "fp16 CUDA graph", exported for exactly that batch and replayed as a CUDA graph), the service's
-         `Runner` (numpy in, outputs copied back; at batch <= 8 also with its CUDA graph, the dynamic graph's
-         batch fixed at load), the project's PyTorch model in fp16, eager and under
-         torch.compile (inductor; compiled once per batch size, not timed), timm with AMP and channels_last if it
+         with ORT's fused kernels written in, and "fp16 unfused", converted without those fusions (--ablate: also
+         without each one in turn); at batch <= 8 also "fp16 CUDA graph", exported for exactly that batch and
+         replayed as a CUDA graph), the service's `Runner` (numpy in, outputs copied back; at batch <= 8 also with
+         its CUDA graph, the dynamic graph's batch fixed at load), the project's PyTorch model in fp16, eager and
+         under torch.compile (inductor; compiled once per batch size, not timed), timm with AMP and channels_last if it
          imports. Without CUDA: ORT fp32 on the CPU, Runner, PyTorch fp32 eager.
 service: `python -m service` (the backend it picks for this host) on the first model, with its fp16 sibling
          on CUDA; /classify with 451 x 300 JPEGs (1 and 8 per request) and /v2 (FP32 and UINT8 tensors, binary
@@ -46,6 +46,7 @@ from service.runtime import CPU, CUDA, Runner, choose_device  # noqa: E402
 from service_process import running_service  # noqa: E402
 
 from bench.export_speed import fp16_graph  # noqa: E402
+from export.fusion import REWRITES  # noqa: E402
 
 CUDA_GRAPH_MAX_BATCH = 8  # a CUDA graph saves kernel launches, which only small batches notice
 # the CUDA provider's `sdpa_kernel` option: which attention kernel ORT must use (0, its default, picks one)
@@ -98,7 +99,7 @@ def ort_on_device(folder: Path, batch: int, graph: Path | None = None, sdpa_kern
 def cuda_graph_on_device(model: str, batch: int, cache: Path):
     """The fp16 graph exported for exactly `batch` images (no shape arithmetic left to run on the CPU), captured
     once as a CUDA graph and replayed; inputs and outputs stay at fixed GPU addresses, as replay needs."""
-    session = ort.InferenceSession(str(fp16_graph(cache, model, fused=True, batch=batch)),
+    session = ort.InferenceSession(str(fp16_graph(cache, model, batch=batch)),
                                    providers=[(CUDA, {"enable_cuda_graph": "1"})])
     binding = session.io_binding()
     for spec in session.get_inputs():
@@ -159,7 +160,7 @@ def timm_amp(model: str, batch: int):
 
 
 def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, rounds: int, seconds: float,
-           sdpa_kernels: list[str]) -> dict:
+           sdpa_kernels: list[str], ablate: bool) -> dict:
     try:
         import timm  # noqa: F401
         has_timm = cuda
@@ -174,11 +175,14 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
         for batch in batches:
             if cuda:
                 calls = {"ORT fp32 dev": ort_on_device(fp32, batch), "ORT fp16 dev": ort_on_device(fp16, batch),
-                         "ORT fp16 unfused dev": ort_on_device(fp16, batch, fp16_graph(cache, model, fused=False)),
+                         "ORT fp16 unfused dev": ort_on_device(fp16, batch, fp16_graph(cache, model, tuple(REWRITES))),
                          "Runner fp16": runner(fp16, batch, CUDA), "torch fp16": torch_model(model, batch, True),
                          "torch.compile fp16": torch_model(model, batch, True, compiled=True)}
                 optional = {f"ORT fp16 dev, sdpa {k}": lambda v=v: ort_on_device(fp16, batch, sdpa_kernel=v)
                             for k, v in SDPA_KERNELS.items() if k in sdpa_kernels}
+                if ablate:
+                    calls.update({f"ORT fp16 without {r}": ort_on_device(fp16, batch, fp16_graph(cache, model, (r,)))
+                                  for r in REWRITES})
                 if batch <= CUDA_GRAPH_MAX_BATCH:
                     optional["ORT fp16 CUDA graph"] = lambda: cuda_graph_on_device(model, batch, cache)
                     optional["Runner fp16 CUDA graph"] = lambda: runner(fp16, batch, CUDA, cuda_graphs=True)
@@ -284,6 +288,8 @@ def main() -> None:
     p.add_argument("--cache", type=Path, default=ROOT / "build" / "bench" / "gpu")
     p.add_argument("--sdpa-kernels", nargs="+", choices=SDPA_KERNELS, default=[],
                    help="graphs: also ORT fp16 dev with this attention kernel forced (the CUDA provider's sdpa_kernel)")
+    p.add_argument("--ablate", action="store_true",
+                   help="graphs: also the fp16 graph without each of export/fusion.py's rewrites, one at a time")
     p.add_argument("--cuda-graph-max-batch", type=int, default=0,
                    help="service: VITSERVE_CUDA_GRAPH_MAX_BATCH (small batches replayed as CUDA graphs)")
     args = p.parse_args()
@@ -296,7 +302,7 @@ def main() -> None:
     batches = args.batches or ([1, 64, 256] if cuda else [1, 16])
     device = gpu_name() if cuda else f"no usable GPU, {os.cpu_count()} CPU cores"
     print(f"bench/gpu.py on {device}; onnxruntime {ort.__version__}")
-    raw = (graphs(models, batches, args.cache, cuda, args.rounds, args.seconds, args.sdpa_kernels)
+    raw = (graphs(models, batches, args.cache, cuda, args.rounds, args.seconds, args.sdpa_kernels, args.ablate)
            if "graphs" in args.parts else {})
     if "service" in args.parts:
         service(models[0], args.cache, cuda, args.clients, args.seconds, raw, max(batches), args.cuda_graph_max_batch)

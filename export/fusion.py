@@ -111,11 +111,14 @@ class MaskedAttentionAsMatMuls(RewriteRuleClassBase):
 masked_attention_as_matmuls = RewriteRuleSet([MaskedAttentionAsMatMuls.rule()])
 
 
-def fuse_for_ort(graph: ir.Model) -> dict[str, int]:
-    """Rewrite `graph` in place; how many of each rewrite it made."""
-    made = {"Attention": packed_qkv_attention.apply_to_model(graph),
-            "SkipLayerNormalization": fuse_skip_layer_normalization(graph), "BiasGelu": fuse_bias_gelu(graph),
-            "masked attention as MatMuls": masked_attention_as_matmuls.apply_to_model(graph)}
+REWRITES = {"Attention": packed_qkv_attention.apply_to_model, "SkipLayerNormalization": fuse_skip_layer_normalization,
+            "BiasGelu": fuse_bias_gelu, "masked attention as MatMuls": masked_attention_as_matmuls.apply_to_model}
+
+
+def fuse_for_ort(graph: ir.Model, without: tuple[str, ...] = ()) -> dict[str, int]:
+    """Rewrite `graph` in place; how many of each rewrite it made. `without`: REWRITES left out (what each
+    one gains: bench/gpu.py --ablate)."""
+    made = {name: rewrite(graph) for name, rewrite in REWRITES.items() if name not in without}
     for node in graph.graph:
         if node.op_type == "SkipLayerNormalization":
             # the mean and inverse deviation: absent, as in ORT's own fused form (its CUDA kernel never makes them)
