@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import models
 from export.__main__ import main as export_main
-from export.fusion import fuse_for_ort
+from export.fusion import fuse_for_ort, masked_attention_as_matmuls
 from export.graph import MainGraph, export_form, export_program, save_graph, unfused_attention
 from export.manifest import sha256, validate
 from export.parity import ParityError, check_fp32, check_reduced, gate_inputs, reduced_precision_passes
@@ -190,6 +190,28 @@ def test_unfused_attention_is_detected():
                               [helper.make_tensor_value_info("o", f, None)],
                               [numpy_helper.from_array(np.array(0.125, np.float32), "scale")])
     assert unfused_attention(helper.make_model(graph)) == ["attn_softmax"]
+
+
+@pytest.mark.parametrize("mask_type", [TensorProto.FLOAT, TensorProto.BOOL])
+def test_masked_attention_is_written_out_with_the_same_answers_and_a_boolean_mask_left_alone(mask_type):
+    """Swin's case (an additive float mask): MatMul, Add, Softmax, MatMul for ORT's CUDA kernels. A boolean
+    mask (keep or drop) is not an addition, so that Attention stays as it is."""
+    shape, f = [2, 3, 5, 4], TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info(n, f, shape) for n in "qkv"]
+    inputs.append(helper.make_tensor_value_info("mask", mask_type, [1, 3, 5, 5]))
+    node = helper.make_node("Attention", ["q", "k", "v", "mask"], ["o"])
+    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("o", f, shape)])
+    original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+    rewritten = onnx_ir.from_proto(original)
+    made = masked_attention_as_matmuls.apply_to_model(rewritten)
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(shape, np.float32) for n in "qkv"}
+    feeds["mask"] = (rng.standard_normal([1, 3, 5, 5], np.float32) if mask_type == TensorProto.FLOAT
+                     else rng.random([1, 3, 5, 5]) > 0.3)
+    run = {name: ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+           for name, model in (("original", original), ("rewritten", onnx_ir.to_proto(rewritten)))}
+    assert made == (1 if mask_type == TensorProto.FLOAT else 0)
+    np.testing.assert_allclose(run["rewritten"], run["original"], atol=1e-6)
 
 
 def test_int8_export_is_gated_on_held_out_images(repo, tmp_path):
