@@ -33,16 +33,21 @@ IMAGES, TENSOR = "images", "pixel_values"
 FUSED_ATTENTION = {"Attention", "com.microsoft:MultiHeadAttention", "com.microsoft:Attention"}
 
 
+def normalisation(mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / 255 - mean) / std as one multiply-add, x * scale + shift: the per-channel (scale, shift)."""
+    mean, std = torch.tensor(mean), torch.tensor(std)
+    return 1 / (255 * std), -mean / std
+
+
 class ImageInput(nn.Module):
     """uint8 [B1, H, W, 3] images and float [B2, 3, H, W] normalised pixels -> the model's input [B1 + B2, ...]
     (the PyTorch reference's; the exported form takes patches, `PatchInput`)."""
 
     def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
         super().__init__()
-        mean, std = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
-        # (x / 255 - mean) / std as one multiply-add
-        self.register_buffer("scale", 1 / (255 * std))
-        self.register_buffer("shift", -mean / std)
+        scale, shift = normalisation(mean, std)
+        self.register_buffer("scale", scale.view(1, 3, 1, 1))
+        self.register_buffer("shift", shift.view(1, 3, 1, 1))
 
     def forward(self, images: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
         x = images.permute(0, 3, 1, 2).float() * self.scale + self.shift  # transposed while still 1 byte a pixel
@@ -61,16 +66,16 @@ class PatchInput(nn.Module):
     def __init__(self, mean: tuple[float, ...], std: tuple[float, ...], patch: int):
         super().__init__()
         self.patch = patch
-        mean, std = torch.tensor(mean), torch.tensor(std)
-        self.register_buffer("scale", (1 / (255 * std)).repeat(patch * patch))  # channel fastest, as in a row
-        self.register_buffer("shift", (-mean / std).repeat(patch * patch))
+        scale, shift = normalisation(mean, std)
+        self.register_buffer("scale", scale.repeat(patch * patch))  # channel fastest, as in a row
+        self.register_buffer("shift", shift.repeat(patch * patch))
 
     def forward(self, images: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
         p = self.patch
         b, h, w, c = images.shape
-        x = images.reshape(b, h // p, p, w // p, p, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h // p, w // p, -1)
-        y = pixel_values.reshape(-1, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(-1, h // p, w // p,
-                                                                                                   p * p * c)
+        grid = (h // p, w // p, p * p * c)
+        x = images.reshape(b, h // p, p, w // p, p, c).permute(0, 1, 3, 2, 4, 5).reshape(b, *grid)
+        y = pixel_values.reshape(-1, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(-1, *grid)
         return torch.cat([x.float() * self.scale + self.shift, y])
 
 

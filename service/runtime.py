@@ -136,8 +136,10 @@ class CudaGraph:
     def run(self, images: np.ndarray) -> list[np.ndarray]:
         """Outputs for up to `batch` images, in the session's output order."""
         count = len(images)
-        padded = np.zeros((self.batch, *images.shape[1:]), np.uint8)
-        padded[:count] = images
+        padded = images
+        if count < self.batch:
+            padded = np.zeros((self.batch, *images.shape[1:]), np.uint8)
+            padded[:count] = images
         with self.lock:
             self.images.update_inplace(padded)
             self.session.run_with_iobinding(self.binding)
@@ -167,8 +169,7 @@ class Runner:
     def run(self, images: np.ndarray, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
         feeds = dict(zip(self.input_names, (images, pixel_values)))
         if self.provider == CUDA:
-            graph = next((g for b, g in self.graphs.items() if b >= len(images)), None)
-            if graph is not None and isinstance(images, np.ndarray) and len(images) and not len(pixel_values):
+            if graph := self._graph_for(images, pixel_values):
                 return dict(zip(self.output_names, graph.run(images)))
             # IOBinding: outputs stay on the device until one copy back, no per-run host allocations for them.
             binding = self.session.io_binding()
@@ -183,3 +184,9 @@ class Runner:
             self.session.run_with_iobinding(binding)
             return dict(zip(self.output_names, binding.copy_outputs_to_cpu()))
         return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+
+    def _graph_for(self, images, pixel_values: np.ndarray) -> CudaGraph | None:
+        """The smallest CUDA graph that holds a batch of host images alone (none for GPU-decoded ones)."""
+        if not isinstance(images, np.ndarray) or not len(images) or len(pixel_values):
+            return None
+        return next((g for b, g in self.graphs.items() if b >= len(images)), None)
