@@ -8,8 +8,9 @@ graphs:  images/s of each model at each batch, the variants alternating round by
          ORT fp32/fp16 "dev" (input and outputs resident on the GPU, IOBinding with OrtValues; fp16 as exported,
          with ORT's fused kernels written in, and "fp16 unfused", converted without those fusions (--ablate: also
          without each one in turn); at batch <= 8 also "fp16 CUDA graph", exported for exactly that batch and
-         replayed as a CUDA graph), the service's `Runner` (numpy in, outputs copied back; at batch <= 8 also with
-         its CUDA graph, the dynamic graph's batch fixed at load), the project's PyTorch model in fp16, eager and
+         replayed as a CUDA graph), the service's `Runner` (the batch gathered into its page-locked host buffer,
+         outputs copied back; "pageable": gathered into plain memory; at batch <= 8 also with its CUDA graph, the
+         dynamic graph's batch fixed at load), the project's PyTorch model in fp16, eager and
          under torch.compile (inductor; compiled once per batch size, not timed), timm with AMP and channels_last if it
          imports. Without CUDA: ORT fp32 on the CPU, Runner, PyTorch fp32 eager.
 service: `python -m service` (the backend it picks for this host) on the first model, with its fp16 sibling
@@ -111,9 +112,11 @@ def cuda_graph_on_device(model: str, batch: int, cache: Path):
     return lambda: session.run_with_iobinding(binding)
 
 
-def runner(folder: Path, batch: int, device: str, cuda_graphs: bool = False):
-    """The service's Runner (numpy in, outputs copied back); `cuda_graphs`: with `batch` replayed as a CUDA
-    graph, as VITSERVE_CUDA_GRAPH_MAX_BATCH does."""
+def runner(folder: Path, batch: int, device: str, cuda_graphs: bool = False, pinned: bool = True):
+    """The service's Runner (numpy in, outputs copied back), each batch first gathered into its host buffer as
+    the service gathers its requests' images (page-locked on CUDA; `pinned=False`: fresh pageable memory, as before
+    Runner.host_batch); `cuda_graphs`: with `batch` replayed as a CUDA graph, as VITSERVE_CUDA_GRAPH_MAX_BATCH
+    does."""
     entry = read_entry(folder)
     h, w = entry.policy.size
     inputs = (entry.manifest["input"]["name"], entry.manifest["tensor_input"]["name"])
@@ -121,7 +124,14 @@ def runner(folder: Path, batch: int, device: str, cuda_graphs: bool = False):
     if cuda_graphs and not run.graphs:
         raise RuntimeError("no CUDA graphs (the service's log line says why)")
     images, tensors = np.zeros((batch, h, w, 3), np.uint8), np.zeros((0, 3, h, w), np.float32)
-    return lambda: run.run(images, tensors)
+    empty = run.host_batch if pinned else lambda n: np.empty((n, h, w, 3), np.uint8)
+
+    def call() -> None:
+        gathered = empty(batch)
+        np.copyto(gathered, images)
+        run.run(gathered, tensors)
+
+    return call
 
 
 def torch_model(model: str, batch: int, cuda: bool, compiled: bool = False):
@@ -176,7 +186,9 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
             if cuda:
                 calls = {"ORT fp32 dev": ort_on_device(fp32, batch), "ORT fp16 dev": ort_on_device(fp16, batch),
                          "ORT fp16 unfused dev": ort_on_device(fp16, batch, fp16_graph(cache, model, tuple(REWRITES))),
-                         "Runner fp16": runner(fp16, batch, CUDA), "torch fp16": torch_model(model, batch, True),
+                         "Runner fp16": runner(fp16, batch, CUDA),
+                         "Runner fp16 pageable": runner(fp16, batch, CUDA, pinned=False),
+                         "torch fp16": torch_model(model, batch, True),
                          "torch.compile fp16": torch_model(model, batch, True, compiled=True)}
                 optional = {f"ORT fp16 dev, sdpa {k}": lambda v=v: ort_on_device(fp16, batch, sdpa_kernel=v)
                             for k, v in SDPA_KERNELS.items() if k in sdpa_kernels}

@@ -10,6 +10,7 @@ records float32 [3, H, W] normalised pixels (its `pixel_values` input, for KServ
 records no input at all: their JPEG bytes travel beside them and are decoded on the GPU with their batch
 (gpu_decode.py), straight into the graph's `images` input on the device.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -68,13 +69,17 @@ class Part:
         return kind_of(self.records)
 
 
-def host_inputs(parts: list[Part], size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """The batch's uint8 images and float pixel_values from its "image" and "tensor" parts, in the parts' order."""
+def host_inputs(parts: list[Part], size: tuple[int, int], empty_images: Callable[[int], np.ndarray]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's uint8 images and float pixel_values from its "image" and "tensor" parts, in the parts' order;
+    the images gathered into `empty_images(count)` (Runner.host_batch: page-locked memory on CUDA)."""
     h, w = size
     images = [p.records["image"][p.start:p.stop] for p in parts if p.kind == "image"]
     tensors = [p.records["tensor"][p.start:p.stop] for p in parts if p.kind == "tensor"]
-    return (np.concatenate(images) if images else np.zeros((0, h, w, 3), np.uint8),
-            np.concatenate(tensors) if tensors else np.zeros((0, 3, h, w), np.float32))
+    gathered = empty_images(sum(map(len, images)))
+    if images:
+        np.concatenate(images, out=gathered)
+    return gathered, np.concatenate(tensors) if tensors else np.zeros((0, 3, h, w), np.float32)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

@@ -1,6 +1,7 @@
 """CUDA paths: skipped where the CUDA provider cannot start (CI has no GPU); run them on a GPU host."""
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -56,6 +57,23 @@ def test_small_batches_replayed_as_cuda_graphs_answer_as_the_plain_session():
             got, want = graphs.run(images[:count], no_tensors), plain.run(images[:count], no_tensors)
             for key in want:  # other batch shapes may pick other kernels: the export gate's 1e-4
                 np.testing.assert_allclose(got[key], want[key], atol=1e-4, err_msg=f"{name} {key} batch {count}")
+
+
+def test_batches_are_gathered_in_page_locked_memory_one_buffer_per_inference_thread():
+    cupy = pytest.importorskip("cupy", reason="page-locked batch buffers need CuPy (the `gpu` extra)")
+    runner = Runner(REPO / "shapes-vit" / "model.onnx", ("images", "pixel_values"), [CUDA])
+    first = runner.host_batch(3)
+    assert first.shape == (3, 96, 96, 3) and first.dtype == np.uint8
+    assert cupy.cuda.runtime.pointerGetAttributes(first.ctypes.data).type == 1  # cudaMemoryTypeHost: page-locked
+    assert runner.host_batch(4).ctypes.data == first.ctypes.data  # the same thread's buffer (of 4), reused
+    with ThreadPoolExecutor(1) as other:
+        assert other.submit(runner.host_batch, 3).result().ctypes.data != first.ctypes.data
+    images = np.random.default_rng(0).integers(0, 256, (5, 96, 96, 3), np.uint8)
+    gathered, no_tensors = runner.host_batch(5), np.zeros((0, 3, 96, 96), np.float32)  # grows to 8
+    gathered[:] = images
+    got, want = runner.run(gathered, no_tensors), runner.run(images, no_tensors)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=1e-6, err_msg=key)
 
 
 def test_fp16_export_passes_its_gate_on_cuda_and_is_served_for_its_base_name(tmp_path):

@@ -23,7 +23,7 @@ from service.cache import AttentionCache, AttentionRecord
 from service.decode import decode, model_input
 from service.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
 from service.metrics import Metrics
-from service.records import Part, record_dtype, top_k, write_results
+from service.records import Part, host_inputs, record_dtype, top_k, write_results
 from service.runtime import CPU, CUDA, Runner, graph_batches, serving_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,6 +151,17 @@ def test_a_batch_writes_each_request_its_own_rows_images_first():
     assert images[1]["queue_ms"][0] == 2.0 and tensors["batch_size"][2] == 5 and tensors["inference_ms"][1] == 9
     probs = tensors["probs"][2]
     assert probs.sum() == pytest.approx(1) and tensors["top_index"][2, 0] == logits[4].argmax()
+
+
+def test_a_batch_gathers_its_images_in_the_parts_order_into_the_buffer_it_is_given():
+    first, second = images(1, 2, 3), images(4, 5)
+    tensors = np.zeros(2, record_dtype(entry(), "tensor"))
+    tensors["tensor"] = 7
+    buffer = np.zeros((8, *first["image"].shape[1:]), np.uint8)  # as Runner.host_batch's page-locked one
+    parts = [Part(first, 1, 3, 1), Part(tensors, 0, 2, 1), Part(second, 0, 1, 1)]
+    gathered, pixels = host_inputs(parts, entry().policy.size, lambda n: buffer[:n])
+    assert np.shares_memory(gathered, buffer) and gathered[:, 0, 0, 0].tolist() == [2, 3, 4]
+    assert pixels.shape == (2, *tensors["tensor"].shape[1:]) and (pixels == 7).all()
 
 
 def _run_batcher(coro_fn, **kw):
@@ -328,7 +339,9 @@ def test_cuda_graphs_come_in_powers_of_two_and_leave_the_cpu_alone():
     assert graph_batches(8) == [1, 2, 4, 8] and graph_batches(6) == [1, 2, 4] and graph_batches(0) == []
     runner = Runner(REPO / "shapes-vit" / "model.onnx", ("images", "pixel_values"), [CPU], cuda_graph_max_batch=8)
     assert runner.graphs == {}
-    logits = runner.run(np.zeros((3, 96, 96, 3), np.uint8), np.zeros((0, 3, 96, 96), np.float32))["logits"]
+    images = runner.host_batch(3)  # plain memory on the CPU: nothing copies it to a device
+    images[:] = 0
+    logits = runner.run(images, np.zeros((0, 3, 96, 96), np.float32))["logits"]
     assert logits.shape == (3, 6)
 
 

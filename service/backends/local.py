@@ -96,8 +96,10 @@ class LocalBackend:
         h, w = entry.policy.size
         start, no_tensors = time.perf_counter(), np.zeros((0, 3, h, w), np.float32)
         for batch in sorted({1, self.settings.max_batch_size}):
+            images = runner.host_batch(batch)  # sizes this thread's batch buffer too
+            images[:] = 0
             for _ in range(self.settings.warmup_runs):
-                runner.run(np.zeros((batch, h, w, 3), np.uint8), no_tensors)
+                runner.run(images, no_tensors)
         log.debug("%s warmed up in %.2fs", entry.name, time.perf_counter() - start)
         return runner
 
@@ -130,7 +132,7 @@ class LocalBackend:
         runner, policy = self.runners[graph], self._by_name[graph].policy
 
         def run(parts: list[Part], queue_ms: list[float]) -> float:
-            images, tensors = host_inputs(parts, policy.size)
+            images, tensors = host_inputs(parts, policy.size, runner.host_batch)
             if jpegs := [p for p in parts if p.kind == "jpeg"]:
                 images = self._decode_jpegs(graph, jpegs, images)
             start = time.perf_counter()
