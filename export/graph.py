@@ -8,8 +8,8 @@ The main graph outputs the logits and what attention maps need, computed beside 
 The explain graph outputs every block's full attention probabilities (`attention_0` ...) for rollout.
 
 Both take two inputs, fed together on every run: `images`, uint8 [B1, H, W, 3] pixels that the graph cuts into
-patches, casts, scales and normalises with the model's mean/std itself (so the host sends a quarter of the
-bytes and does no float work per pixel), and `pixel_values`, float32 [B2, 3, H, W] already normalised (for clients
+patches and normalises with the model's mean/std itself, the normalisation folded into the patch embedding's
+weights (so the host sends a quarter of the bytes and does no float work per pixel), and `pixel_values`, float32 [B2, 3, H, W] already normalised (for clients
 that preprocess themselves, the KServe v2 FP32 input). Either may have batch 0; the outputs hold B1 + B2 rows,
 the images' first.
 """
@@ -55,55 +55,64 @@ class ImageInput(nn.Module):
 
 
 class PatchInput(nn.Module):
-    """The same two inputs -> each p x p patch's normalised pixels as one row, [B1 + B2, H/p, W/p, p * p * 3] in
-    (row, column, channel) order: what `MatMulPatchEmbed` multiplies.
+    """The same two inputs -> the patches of each, each p x p patch's pixels as one row in (row, column, channel)
+    order: (the images' bytes as floats [B1, H/p, W/p, p * p * 3], the normalised pixels [B2, ...]), what
+    `MatMulPatchEmbed` multiplies (it normalises the images' patches as it does).
 
     The images are cut into patches straight from NHWC while still 1 byte a pixel: one transpose of the bytes,
     where an NCHW model input costs a transpose of the bytes into NCHW and another of the floats into patches
     (on an H100 the first alone took 8% of DeiT-Ti's fp16 time at batch 256; cut from NHWC, DeiT-Ti ran 1.08x,
     DeiT-S 1.05x)."""
 
-    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...], patch: int):
+    def __init__(self, patch: int):
         super().__init__()
         self.patch = patch
-        scale, shift = normalisation(mean, std)
-        self.register_buffer("scale", scale.repeat(patch * patch))  # channel fastest, as in a row
-        self.register_buffer("shift", shift.repeat(patch * patch))
 
-    def forward(self, images: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.patch
         b, h, w, c = images.shape
         grid = (h // p, w // p, p * p * c)
         x = images.reshape(b, h // p, p, w // p, p, c).permute(0, 1, 3, 2, 4, 5).reshape(b, *grid)
         y = pixel_values.reshape(-1, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(-1, *grid)
-        return torch.cat([x.float() * self.scale + self.shift, y])
+        return x.float(), y
 
 
 class MatMulPatchEmbed(nn.Module):
     """PatchEmbed's strided Conv as what it computes, each patch's pixels times one matrix: the form GPU GEMMs
     run fastest (on an H100 the Conv took 36% of DeiT-S's fp16 time, all the network's MatMuls together 27%).
-    Takes the patches `PatchInput` cuts."""
+    Takes the two inputs' patches `PatchInput` cuts.
 
-    def __init__(self, embed: PatchEmbed):
+    The images' normalisation, x * scale + shift per channel, comes before a linear map, so it is folded into
+    their own copy of the weights: (x * scale + shift) @ W + b = x @ (scale W) + (shift @ W + b). No pass over
+    the pixels is left but the cast, and the two inputs meet (concatenated) as embeddings, which for ViT/DeiT
+    are narrower than the patches."""
+
+    def __init__(self, embed: PatchEmbed, mean: tuple[float, ...], std: tuple[float, ...]):
         super().__init__()
         conv = embed.proj
         self.patch = conv.kernel_size[0]
-        # rows in the patches' (row, column, channel) order
-        self.weight = nn.Parameter(conv.weight.detach().permute(0, 2, 3, 1).flatten(1).t().contiguous(),
-                                   requires_grad=False)
-        self.bias = nn.Parameter(conv.bias.detach().clone(), requires_grad=False)
+        weight = conv.weight.detach().permute(0, 2, 3, 1).flatten(1).t().double()  # rows in the patches' order
+        scale, shift = (v.double().repeat(self.patch ** 2) for v in normalisation(mean, std))  # channel fastest
+        bias = conv.bias.detach().double()
+
+        def frozen(t: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(t.float().contiguous(), requires_grad=False)
+
+        self.weight, self.bias = frozen(weight), frozen(bias)
+        self.image_weight, self.image_bias = frozen(scale[:, None] * weight), frozen(shift @ weight + bias)
         self.norm = embed.norm
 
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        """[B, H/p, W/p, p * p * 3] -> [B, H/p, W/p, D], as PatchEmbed."""
-        return self.norm(patches @ self.weight + self.bias)
+    def forward(self, patches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """(image patches, pixel patches) -> [B1 + B2, H/p, W/p, D], as PatchEmbed."""
+        images, pixels = patches
+        return self.norm(torch.cat([images @ self.image_weight + self.image_bias, pixels @ self.weight + self.bias]))
 
 
 def export_form(model: nn.Module) -> nn.Module:
     """A copy of the model as it is exported (the patch embedding a MatMul); the original stays the parity
     gate's reference, so the gate proves the rewrite too."""
     exported = copy.deepcopy(model)
-    exported.patch_embed = MatMulPatchEmbed(exported.patch_embed)
+    exported.patch_embed = MatMulPatchEmbed(exported.patch_embed, model.spec.mean, model.spec.std)
     return exported
 
 
@@ -111,7 +120,7 @@ def input_module(model: nn.Module) -> nn.Module:
     """The graph's two inputs -> what the model's patch embedding takes: patches for the exported form, NCHW
     pixels for the reference."""
     if isinstance(model.patch_embed, MatMulPatchEmbed):
-        return PatchInput(model.spec.mean, model.spec.std, model.patch_embed.patch)
+        return PatchInput(model.patch_embed.patch)
     return ImageInput(model.spec.mean, model.spec.std)
 
 
