@@ -9,9 +9,9 @@ The explain graph outputs every block's full attention probabilities (`attention
 
 Both take two inputs, fed together on every run: `images`, uint8 [B1, H, W, 3] pixels that the graph cuts into
 patches and normalises with the model's mean/std itself, the normalisation folded into the patch embedding's
-weights (so the host sends a quarter of the bytes and does no float work per pixel), and `pixel_values`, float32 [B2, 3, H, W] already normalised (for clients
-that preprocess themselves, the KServe v2 FP32 input). Either may have batch 0; the outputs hold B1 + B2 rows,
-the images' first.
+weights (so the host sends a quarter of the bytes and does no float work per pixel), and `pixel_values`,
+float32 [B2, 3, H, W] already normalised (for clients that preprocess themselves, the KServe v2 FP32 input).
+Either may have batch 0; the outputs hold B1 + B2 rows, the images' first.
 """
 import collections
 import copy
