@@ -64,7 +64,7 @@ def test_batches_are_gathered_in_page_locked_memory_one_buffer_per_inference_thr
     runner = Runner(REPO / "shapes-vit" / "model.onnx", ("images", "pixel_values"), [CUDA])
     first = runner.host_batch(3)
     assert first.shape == (3, 96, 96, 3) and first.dtype == np.uint8
-    assert cupy.cuda.runtime.pointerGetAttributes(first.ctypes.data).type == 1  # cudaMemoryTypeHost: page-locked
+    assert cupy.cuda.runtime.pointerGetAttributes(first.ctypes.data).type == cupy.cuda.runtime.memoryTypeHost
     assert runner.host_batch(4).ctypes.data == first.ctypes.data  # the same thread's buffer (of 4), reused
     with ThreadPoolExecutor(1) as other:
         assert other.submit(runner.host_batch, 3).result().ctypes.data != first.ctypes.data
