@@ -35,7 +35,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")  # convert copies even to its own mode
 
 
 @contextmanager
@@ -77,7 +77,8 @@ def decode(data: bytes, min_short_side: int | None, max_pixels: int) -> Photo:
         if image.format == "JPEG" and min_short_side:
             image.draft("RGB", (min_short_side, min_short_side))
         size = (height, width) if image.getexif().get(0x0112) in _SWAPS_AXES else (width, height)
-        return Photo(_to_rgb(ImageOps.exif_transpose(image)), size)
+        ImageOps.exif_transpose(image, in_place=True)  # decodes; not in place, an upright photo is copied
+        return Photo(_to_rgb(image), size)
 
 
 def resize_and_crop(image: Image.Image, policy: InputPolicy) -> Image.Image:
