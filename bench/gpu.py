@@ -9,8 +9,9 @@ graphs:  images/s of each model at each batch, the variants alternating round by
          with ORT's fused kernels written in, and "fp16 unfused", converted without those fusions (--ablate: also
          without each one in turn); at batch <= 8 also "fp16 CUDA graph", exported for exactly that batch and
          replayed as a CUDA graph), the service's `Runner` (the batch gathered into its page-locked host buffer,
-         outputs copied back; "pageable": gathered into plain memory; at batch <= 8 also with its CUDA graph, the
-         dynamic graph's batch fixed at load), the project's PyTorch model in fp16, eager and
+         outputs copied back; "pageable": gathered into plain memory; "2 threads": two batches at a time from two
+         threads, as the service's inference threads run them, over one session or one each; at batch <= 8 also
+         with its CUDA graph, the dynamic graph's batch fixed at load), the project's PyTorch model in fp16, eager and
          under torch.compile (inductor; compiled once per batch size, not timed), timm with AMP and channels_last if it
          imports. Without CUDA: ORT fp32 on the CPU, Runner, PyTorch fp32 eager.
 service: `python -m service` (the backend it picks for this host) on the first model, with its fp16 sibling
@@ -67,7 +68,8 @@ def export(cache: Path, model: str, precision: str = "fp32") -> Path:
 
 
 def median_rates(calls: dict, batch: int, rounds: int, seconds: float) -> dict[str, float]:
-    """images/s of each call (one batch each), the calls in a new order every round; medians over rounds."""
+    """images/s of each call (one batch each, or as many images as it returns), the calls in a new order every
+    round; medians over rounds."""
     for call in calls.values():
         call()
     rates = {k: [] for k in calls}
@@ -75,8 +77,7 @@ def median_rates(calls: dict, batch: int, rounds: int, seconds: float) -> dict[s
         for k in random.sample(list(calls), len(calls)):
             done, start = 0, time.perf_counter()
             while time.perf_counter() - start < seconds / len(calls):
-                calls[k]()
-                done += batch
+                done += calls[k]() or batch
             rates[k].append(done / (time.perf_counter() - start))
     return {k: statistics.median(v) for k, v in rates.items()}
 
@@ -130,6 +131,21 @@ def runner(folder: Path, batch: int, device: str, cuda_graphs: bool = False, pin
         gathered = empty(batch)
         np.copyto(gathered, images)
         run.run(gathered, tensors)
+
+    return call
+
+
+def runner_threads(folder: Path, batch: int, sessions: int):
+    """The service's inference on a GPU: two threads each gathering and running a batch at the same time, over
+    one Runner, as the service does, or (`sessions=2`) over one each: the other session's own CUDA stream may
+    let one batch's copies overlap the other's kernels."""
+    calls = [runner(folder, batch, CUDA) for _ in range(sessions)]
+    pool = ThreadPoolExecutor(2)
+
+    def call() -> int:
+        for future in [pool.submit(calls[i % sessions]) for i in range(2)]:
+            future.result()
+        return 2 * batch
 
     return call
 
@@ -188,6 +204,8 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
                          "ORT fp16 unfused dev": ort_on_device(fp16, batch, fp16_graph(cache, model, tuple(REWRITES))),
                          "Runner fp16": runner(fp16, batch, CUDA),
                          "Runner fp16 pageable": runner(fp16, batch, CUDA, pinned=False),
+                         "Runner fp16 2 threads": runner_threads(fp16, batch, 1),
+                         "Runner fp16 2 threads 2 sessions": runner_threads(fp16, batch, 2),
                          "torch fp16": torch_model(model, batch, True),
                          "torch.compile fp16": torch_model(model, batch, True, compiled=True)}
                 optional = {f"ORT fp16 dev, sdpa {k}": lambda v=v: ort_on_device(fp16, batch, sdpa_kernel=v)
