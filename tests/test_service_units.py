@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from PIL import Image
 from service_process import run_graph
@@ -64,6 +65,11 @@ def test_normalising_in_the_graph_gives_the_answers_of_normalising_on_the_cpu(na
     for got, want in zip(in_graph, on_cpu):
         np.testing.assert_allclose(got, want, atol=1e-5)
     assert (in_graph[0].argmax(1) == on_cpu[0].argmax(1)).all()
+    # both inputs in one run (a batch of uploads and v2 tensors): the images' rows first, each as alone
+    session = ort.InferenceSession(REPO / name / "model.onnx", providers=[CPU])
+    mixed = session.run(None, {"images": pixels[:3], "pixel_values": cpu[1:]})
+    for got, images, tensors in zip(mixed, in_graph, on_cpu):
+        np.testing.assert_allclose(got, np.concatenate([images[:3], tensors[1:]]), atol=1e-5)
 
 
 def test_exif_orientation_is_applied_and_the_upright_size_reported():
