@@ -225,8 +225,10 @@ def unfused_attention(proto: onnx.ModelProto) -> list[str]:
         return node.op_type == "MatMul" or (node.op_type in passthrough and any(
             from_matmul(i, depth + 1) for i in node.input))
 
+    # the weighted sum takes the probabilities as its left operand (a mean over the queries, as the maps' outputs
+    # take, is a constant row times them)
     return [n.name for n in proto.graph.node if n.op_type == "Softmax" and from_matmul(n.input[0])
-            and any(c.op_type == "MatMul" for c in consumers[n.output[0]])]
+            and any(c.op_type == "MatMul" and c.input[0] == n.output[0] for c in consumers[n.output[0]])]
 
 
 def expected_attention_blocks(model: nn.Module) -> int:

@@ -9,8 +9,9 @@ and projects it to 2C, halving the grid. The classifier averages the last stage'
 
 Inside a stage the residual stream is kept as token rows [B, H*W, C]: each residual sum that feeds a
 LayerNorm is then the [batch, sequence, hidden] pattern ONNX Runtime fuses into one kernel
-(export/fusion.py), and a block's windows (shift and padding included) are one Gather from the rows and one
-back (`window_order`), where the roll, pad and transposes were eleven copies in the exported graph.
+(export/fusion.py). The windows (shift and padding included) never exist as tokens: the attention gathers its
+q, k and v per window and head straight from the rows' packed projection, and the heads' outputs straight back
+into rows (`WindowAttention`).
 
 Parameter names and shapes are timm's (`layers.N.downsample` at the start of a stage, `head.fc`);
 `checkpoint_filter_fn` also reads the official release layout (downsample at the end of a stage, `head`,
@@ -45,8 +46,6 @@ def window_order(height: int, width: int, window: int, shift: int) -> tuple[torc
     """Where the cyclic shift, the padding and the window partition put each token, as two index lists: for each
     window position (windows in row-major order, M*M tokens each) the row it reads in a [B, H*W (+1), C] token
     list, padding reading the extra zero row H*W; and for each row, the window position it ends up at.
-
-    One Gather each way instead of a roll (two slices and a concatenation per axis), a pad and a 6-D transpose.
     """
     padded = (-(-height // window) * window, -(-width // window) * window)
     rows = torch.arange(height * width).view(1, height, width, 1)
@@ -57,6 +56,22 @@ def window_order(height: int, width: int, window: int, shift: int) -> tuple[torc
     to_rows = torch.empty(height * width + 1, dtype=torch.long)  # the last slot takes the padding's positions
     to_rows[to_windows] = torch.arange(len(to_windows))
     return to_windows, to_rows[:-1]
+
+
+def head_rows(to_windows: torch.Tensor, heads: int, window: int) -> torch.Tensor:
+    """[3, windows * heads * M*M]: for q, k and v, the row each (window, head, window position) reads when the
+    packed projection of the token rows [B, T, 3 * heads * d] is viewed as [B, T * 3 * heads, d]."""
+    tokens = to_windows.view(-1, 1, window * window)
+    part, head = torch.arange(3).view(3, 1, 1, 1), torch.arange(heads).view(1, 1, heads, 1)
+    return ((tokens * 3 + part) * heads + head).flatten(1)
+
+
+def token_rows(to_rows: torch.Tensor, heads: int, window: int) -> torch.Tensor:
+    """[H*W * heads]: for each token row and head, the row it reads in the heads' outputs [B, windows, heads,
+    M*M, d] viewed as [B, windows * heads * M*M, d] (so that [B, H*W, heads * d] comes out)."""
+    n = window * window
+    position, head = to_rows.view(-1, 1), torch.arange(heads).view(1, heads)
+    return ((position // n * heads + head) * n + position % n).flatten()
 
 
 def shifted_window_mask(height: int, width: int, window: int, shift: int) -> torch.Tensor:
@@ -71,15 +86,17 @@ def shifted_window_mask(height: int, width: int, window: int, shift: int) -> tor
 
 
 class WindowAttention(nn.Module):
-    """Multi-head self-attention inside a window, with a relative position bias per head.
+    """Multi-head self-attention inside the (shifted) windows of an H x W token grid, with a relative position
+    bias per head, on token rows [B, H*W, C].
 
-    `forward` stops before the output projection: `project` is applied by the block once the tokens are back
-    in row order (a per-token Linear does not care about their order), so that its bias Add meets the residual
-    sum and the LayerNorm after it, which ONNX Runtime then runs as one kernel.
+    The windows never exist as tokens: q, k and v are each one Gather (`head_rows`) from the packed projection
+    of the token rows, straight into [windows, heads, M*M, d] with the shift and padding, and the heads' outputs
+    one Gather (`token_rows`) back into token rows. The window partition, the q/k/v transpose and split and the
+    heads' transpose back were five passes over the activations in the exported graph; these are two.
     """
 
-    def __init__(self, dim: int, num_heads: int, window: int, qkv_bias: bool = True,
-                 attn_drop: float = 0.0, proj_drop: float = 0.0):
+    def __init__(self, dim: int, num_heads: int, window: int, resolution: tuple[int, int], shift: int,
+                 qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0):
         super().__init__()
         self.num_heads = num_heads
         self.window = window
@@ -90,6 +107,14 @@ class WindowAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
+        padded = [-(-r // window) * window for r in resolution]  # a grid not divisible by M is padded
+        self.padded = padded != list(resolution)
+        self.resolution = resolution
+        mask = shifted_window_mask(padded[0], padded[1], window, shift) if shift else None
+        self.register_buffer("attn_mask", mask, persistent=False)
+        to_windows, to_rows = window_order(*resolution, window, shift)
+        self.register_buffer("head_rows", head_rows(to_windows, num_heads, window), persistent=False)
+        self.register_buffer("token_rows", token_rows(to_rows, num_heads, window), persistent=False)
 
     def relative_position_bias(self) -> torch.Tensor:
         """[heads, M*M, M*M]"""
@@ -97,37 +122,36 @@ class WindowAttention(nn.Module):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
         return bias.permute(2, 0, 1)
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj_drop(self.proj(x))
+    def forward(self, x: torch.Tensor, received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Token rows [B, H*W, C] -> the same, attended and projected.
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
-                received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: [B * windows, M*M, C]; mask: [windows, M*M, M*M] or None -> the heads' outputs side by side,
-        [B * windows, M*M, C], not yet projected.
-
-        With `received`, also returns the attention each token receives, averaged over its window's
-        queries, [B * windows, heads, M*M], computed beside the fused kernel.
+        With `received`, also returns the attention each token receives, averaged over its window's queries,
+        [B, H, W, heads], computed beside the fused kernel.
         """
-        B_, N, C = x.shape
-        heads = self.num_heads
-        qkv = self.qkv(x).reshape(B_, N, 3, heads, C // heads).permute(2, 0, 3, 1, 4)
-        # contiguous q/k/v: without it the dynamo ONNX export cannot view the permuted tensors
-        q, k, v = (t.contiguous() for t in qkv.unbind(0))
+        B, L, C = x.shape
+        heads, n, d = self.num_heads, self.window * self.window, C // self.num_heads
+        if self.padded:
+            x = F.pad(x, (0, 0, 0, 1))  # the zero token that padding reads, projected as the original's are
+        rows = self.qkv(x).view(B, -1, d)
         bias = self.relative_position_bias().unsqueeze(0)  # [1, heads, N, N]
-        if mask is not None:
+        if self.attn_mask is None:
+            shape = (-1, heads, n, d)
+        else:
             # Windows folded into the head axis, [B, windows * heads, N, N]: the per-window mask then broadcasts
             # over the batch as one constant instead of being expanded to a [B * windows, heads, N, N] copy
             # and added in every block at run time.
-            windows = mask.shape[0]
-            bias = (bias + mask.unsqueeze(1)).reshape(1, windows * heads, N, N)
-            q, k, v = (t.reshape(-1, windows * heads, N, C // heads) for t in (q, k, v))
+            windows = self.attn_mask.shape[0]
+            bias = (bias + self.attn_mask.unsqueeze(1)).reshape(1, windows * heads, n, n)
+            shape = (-1, windows * heads, n, d)
+        q, k, v = (rows.index_select(1, index).view(shape) for index in self.head_rows)
         dropout = self.attn_drop if self.training else 0.0
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
-        out = out.reshape(B_, heads, N, -1).transpose(1, 2).reshape(B_, N, C)
+        out = self.proj_drop(self.proj(out.reshape(B, -1, d).index_select(1, self.token_rows).view(B, L, C)))
         if not received:
             return out
-        probs = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1) + bias).softmax(dim=-1)
-        return out, row_mean(probs.reshape(B_, heads, N, N))
+        probs = ((q * d ** -0.5) @ k.transpose(-2, -1) + bias).softmax(dim=-1)
+        got = row_mean(probs).reshape(B, -1).index_select(1, self.token_rows)
+        return out, got.view(B, *self.resolution, heads)
 
 
 class SwinTransformerBlock(nn.Module):
@@ -144,40 +168,15 @@ class SwinTransformerBlock(nn.Module):
         self.shift = shift
         self.resolution = resolution
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = WindowAttention(dim, num_heads, window, qkv_bias, attn_drop, drop)
+        self.attn = WindowAttention(dim, num_heads, window, resolution, shift, qkv_bias, attn_drop, drop)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
         self.drop_path = DropPath(drop_path)
-        padded = [-(-r // window) * window for r in resolution]  # a grid not divisible by M is padded
-        mask = shifted_window_mask(padded[0], padded[1], window, shift) if shift else None
-        self.register_buffer("attn_mask", mask, persistent=False)
-        self.padded = padded != list(resolution)
-        to_windows, to_rows = window_order(*resolution, window, shift)
-        self.register_buffer("to_windows", to_windows, persistent=False)
-        self.register_buffer("to_rows", to_rows, persistent=False)
-
-    def _windows(self, x: torch.Tensor) -> torch.Tensor:
-        """Token rows [B, H*W, C] -> shifted, padded windows [B * windows, M*M, C]."""
-        if self.padded:
-            x = F.pad(x, (0, 0, 0, 1))  # the zero row that padding reads
-        return x.index_select(1, self.to_windows).reshape(-1, self.window * self.window, x.shape[-1])
-
-    def _rows(self, windows: torch.Tensor, batch: int) -> torch.Tensor:
-        """Inverse of `_windows`: [B * windows, M*M, C] -> token rows [B, H*W, C], unshifted, unpadded."""
-        return windows.reshape(batch, -1, windows.shape[-1]).index_select(1, self.to_rows)
-
-    def _attn(self, x: torch.Tensor, received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        B = x.shape[0]
-        out = self.attn(self._windows(x), mask=self.attn_mask, received=received)
-        if not received:
-            return self.attn.project(self._rows(out, B))
-        out, got = out
-        return self.attn.project(self._rows(out, B)), self._rows(got.transpose(1, 2), B).view(B, *self.resolution, -1)
 
     def forward(self, x: torch.Tensor, received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token rows [B, H*W, C] -> the same. With `received`, also returns the attention each token receives in
         its window, [B, H, W, heads]."""
-        attn = self._attn(self.norm1(x), received)
+        attn = self.attn(self.norm1(x), received)
         attn, got = attn if received else (attn, None)
         x = x + self.drop_path(attn)
         x = x + self.drop_path(self.mlp(self.norm2(x)))

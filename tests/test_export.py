@@ -182,13 +182,18 @@ def test_the_reduced_precision_gate_judges_untrained_logits_by_their_error_and_t
     assert reduced_precision_passes(0.995, 0.3, heldout=True)
 
 
-def test_unfused_attention_is_detected():
+def test_unfused_attention_is_detected_and_a_mean_over_the_queries_is_not():
     nodes = [helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Mul", ["s", "scale"], ["z"]),
-             helper.make_node("Softmax", ["z"], ["p"], name="attn_softmax"), helper.make_node("MatMul", ["p", "v"], ["o"])]
+             helper.make_node("Softmax", ["z"], ["p"], name="attn_softmax"),
+             helper.make_node("MatMul", ["p", "v"], ["o"]),
+             # the probabilities that an attention map averages over the queries: a constant row times them
+             helper.make_node("Softmax", ["z"], ["p2"], name="map_softmax"),
+             helper.make_node("MatMul", ["row", "p2"], ["m"])]
     f = TensorProto.FLOAT
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, f, None) for n in ("q", "kt", "v")],
-                              [helper.make_tensor_value_info("o", f, None)],
-                              [numpy_helper.from_array(np.array(0.125, np.float32), "scale")])
+                              [helper.make_tensor_value_info(n, f, None) for n in ("o", "m")],
+                              [numpy_helper.from_array(np.array(0.125, np.float32), "scale"),
+                               numpy_helper.from_array(np.full((1, 4), 0.25, np.float32), "row")])
     assert unfused_attention(helper.make_model(graph)) == ["attn_softmax"]
 
 
