@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from models.layers import PatchEmbed
-from models.swin_transformer import SwinTransformer
+from models.swin_transformer import SwinTransformer, WindowAttention
 from models.vision_transformer import VisionTransformer
 
 OPSET = 23
@@ -108,11 +108,41 @@ class MatMulPatchEmbed(nn.Module):
         return self.norm(torch.cat([images @ self.image_weight + self.image_bias, pixels @ self.weight + self.bias]))
 
 
+class QBiasWindowAttention(WindowAttention):
+    """Swin's window attention with only q's share of the packed projection's bias, added to q after its gather:
+    a pass over C values a token where the bias Add was one over 3C.
+
+    k's bias adds q . b_k to every score in a query's row, which the softmax cancels; v's adds b_v to every
+    output, since each row of probabilities sums to 1, so the output projection's bias takes it: W_o b_v + b_o
+    (computed in float64). The padding token stays consistent: its k and v lose the same biases as every other.
+    """
+
+    def __init__(self, attn: WindowAttention):
+        heads, dim = attn.num_heads, attn.qkv.in_features
+        super().__init__(dim, heads, attn.window, attn.resolution, attn.shift, qkv_bias=False)
+        bias = attn.qkv.bias if attn.qkv.bias is not None else torch.zeros(3 * dim)
+        q_bias, _, v_bias = bias.detach().double().chunk(3)
+        with torch.no_grad():
+            self.relative_position_bias_table.copy_(attn.relative_position_bias_table)
+            self.qkv.weight.copy_(attn.qkv.weight)
+            self.proj.weight.copy_(attn.proj.weight)
+            self.proj.bias.copy_(attn.proj.weight.double() @ v_bias + attn.proj.bias.double())
+        self.register_buffer("q_bias", q_bias.float().view(heads, 1, dim // heads), persistent=False)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().heads(x)
+        B, n, d = q.shape[0], self.window * self.window, q.shape[-1]
+        return (q.view(B, -1, self.num_heads, n, d) + self.q_bias).view(B, -1, d), k, v
+
+
 def export_form(model: nn.Module) -> nn.Module:
-    """A copy of the model as it is exported (the patch embedding a MatMul); the original stays the parity
-    gate's reference, so the gate proves the rewrite too."""
+    """A copy of the model as it is exported (the patch embedding a MatMul; Swin's attention with q's bias only);
+    the original stays the parity gate's reference, so the gate proves the rewrites too."""
     exported = copy.deepcopy(model)
     exported.patch_embed = MatMulPatchEmbed(exported.patch_embed, model.spec.mean, model.spec.std)
+    if isinstance(exported, SwinTransformer):
+        for block in (b for stage in exported.layers for b in stage.blocks):
+            block.attn = QBiasWindowAttention(block.attn)
     return exported
 
 

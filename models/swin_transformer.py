@@ -100,6 +100,7 @@ class WindowAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.window = window
+        self.shift = shift
         self.attn_drop = attn_drop
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, num_heads))
         self.register_buffer("relative_position_index", relative_position_index(window), persistent=False)
@@ -122,6 +123,14 @@ class WindowAttention(nn.Module):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
         return bias.permute(2, 0, 1)
 
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token rows [B, H*W, C] -> q, k and v of every window and head, each [B, windows * heads * M*M, d]."""
+        B, _, C = x.shape
+        if self.padded:
+            x = F.pad(x, (0, 0, 0, 1))  # the zero token that padding reads, projected as the original's are
+        rows = self.qkv(x).view(B, -1, C // self.num_heads)
+        return tuple(rows.index_select(1, index) for index in self.head_rows)
+
     def forward(self, x: torch.Tensor, received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token rows [B, H*W, C] -> the same, attended and projected.
 
@@ -130,9 +139,6 @@ class WindowAttention(nn.Module):
         """
         B, L, C = x.shape
         heads, n, d = self.num_heads, self.window * self.window, C // self.num_heads
-        if self.padded:
-            x = F.pad(x, (0, 0, 0, 1))  # the zero token that padding reads, projected as the original's are
-        rows = self.qkv(x).view(B, -1, d)
         bias = self.relative_position_bias().unsqueeze(0)  # [1, heads, N, N]
         if self.attn_mask is None:
             shape = (-1, heads, n, d)
@@ -143,7 +149,7 @@ class WindowAttention(nn.Module):
             windows = self.attn_mask.shape[0]
             bias = (bias + self.attn_mask.unsqueeze(1)).reshape(1, windows * heads, n, n)
             shape = (-1, windows * heads, n, d)
-        q, k, v = (rows.index_select(1, index).view(shape) for index in self.head_rows)
+        q, k, v = (t.view(shape) for t in self.heads(x))
         dropout = self.attn_drop if self.training else 0.0
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
         out = self.proj_drop(self.proj(out.reshape(B, -1, d).index_select(1, self.token_rows).view(B, L, C)))

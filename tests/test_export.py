@@ -124,6 +124,25 @@ def test_a_graph_exported_for_one_batch_size_has_no_shape_arithmetic_and_the_sam
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("img_size", [96, 104])  # 104 px: 26 tokens a side, so windows of 6 are padded
+def test_swin_exported_with_only_qs_bias_gives_the_same_answers(img_size):
+    """k's bias cancels in the softmax and v's moves into the output projection's: same outputs, shifted and
+    padded windows included, for biases that are not zero."""
+    torch.manual_seed(0)
+    model = models.create_model(MICRO["swin"], img_size=img_size).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(0, 0.5)
+    exported = export_form(model)
+    assert all(b.attn.qkv.bias is None for stage in exported.layers for b in stage.blocks)
+    images = torch.randint(0, 256, (2, img_size, img_size, 3), dtype=torch.uint8)
+    pixels = torch.randn(1, 3, img_size, img_size)
+    with torch.no_grad():
+        for want, got in zip(MainGraph(model)(images, pixels), MainGraph(exported)(images, pixels)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
 def test_manifest_validates_and_describes_the_graph(repo):
     m = manifest(repo, "deit")
     validate(m)
