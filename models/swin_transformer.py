@@ -114,7 +114,8 @@ class WindowAttention(nn.Module):
         mask = shifted_window_mask(padded[0], padded[1], window, shift) if shift else None
         self.register_buffer("attn_mask", mask, persistent=False)
         to_windows, to_rows = window_order(*resolution, window, shift)
-        self.register_buffer("head_rows", head_rows(to_windows, num_heads, window), persistent=False)
+        for name, index in zip(("q_rows", "k_rows", "v_rows"), head_rows(to_windows, num_heads, window)):
+            self.register_buffer(name, index, persistent=False)  # each its own constant in the graph
         self.register_buffer("token_rows", token_rows(to_rows, num_heads, window), persistent=False)
 
     def relative_position_bias(self) -> torch.Tensor:
@@ -129,7 +130,7 @@ class WindowAttention(nn.Module):
         if self.padded:
             x = F.pad(x, (0, 0, 0, 1))  # the zero token that padding reads, projected as the original's are
         rows = self.qkv(x).view(B, -1, C // self.num_heads)
-        return tuple(rows.index_select(1, index) for index in self.head_rows)
+        return tuple(rows.index_select(1, index) for index in (self.q_rows, self.k_rows, self.v_rows))
 
     def forward(self, x: torch.Tensor, received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token rows [B, H*W, C] -> the same, attended and projected.

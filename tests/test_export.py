@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import models
 from export.__main__ import main as export_main
-from export.fusion import fuse_for_ort, masked_attention_as_matmuls
+from export.fusion import REWRITES, fuse_for_ort, masked_attention_as_matmuls
 from export.graph import MainGraph, export_form, export_program, save_graph, unfused_attention
 from export.manifest import sha256, validate
 from export.parity import ParityError, check_fp32, check_reduced, gate_inputs, reduced_precision_passes
@@ -236,6 +236,23 @@ def test_masked_attention_is_written_out_with_the_same_answers_and_a_boolean_mas
            for name, model in (("original", original), ("rewritten", onnx_ir.to_proto(rewritten)))}
     assert made == (1 if mask_type == TensorProto.FLOAT else 0)
     np.testing.assert_allclose(run["rewritten"], run["original"], atol=1e-6)
+
+
+def test_swin_keys_are_padded_to_a_multiple_of_8_with_the_same_answers(repo, tmp_path):
+    """36 keys a window -> 40 (cuBLAS's aligned kernels), the padding masked out: the same outputs. The last
+    block keeps its keys: they also give the attention map."""
+    model = models.create_model(MICRO["swin"])
+    model.load_state_dict(load_file(repo / "swin.safetensors"))
+    graph = export_program(MainGraph(export_form(model)), 96)
+    assert fuse_for_ort(graph, without=tuple(r for r in REWRITES if r != "aligned keys")) == {
+        "aligned keys": BLOCKS["swin"] - 1}
+    assert [n.inputs[1].shape[2] for n in graph.graph if n.op_type == "Attention"] == [40] * 5 + [36]
+    save_graph(graph, tmp_path / "aligned.onnx")
+    images = np.random.default_rng(0).integers(0, 256, (3, 96, 96, 3), dtype=np.uint8)
+    runs = [ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, graph_inputs(images))
+            for path in (repo / "swin" / "model.onnx", tmp_path / "aligned.onnx")]
+    for want, got in zip(*runs):
+        np.testing.assert_allclose(got, want, atol=1e-6)
 
 
 def test_int8_export_is_gated_on_held_out_images(repo, tmp_path):
