@@ -93,10 +93,11 @@ def test_fp16_graphs_carry_onnx_runtimes_fused_kernels_and_fp32_stays_standard(r
     # ORT's fused form: output 3 carries the sum on; 1 and 2 (statistics its CUDA kernel never makes) absent
     assert {tuple(n.output[1:3]) for n in fp16.graph.node if n.op_type == "SkipLayerNormalization"} == {("", "")}
     # every block's packed q/k/v projection with its attention, but the last ViT/DeiT one (its q, k give the [CLS]
-    # row too); Swin's windowed attention is not that pattern: its masked attention is written out as MatMuls
-    packed = 0 if arch == "swin" else BLOCKS[arch] - 1
+    # row too), as separate q, k, v; Swin's windowed attention is not that pattern: written out as MatMuls
+    separate = 0 if arch == "swin" else BLOCKS[arch] - 1
     written_out = BLOCKS[arch] if arch == "swin" else 0
-    assert m["op_counts"].get("com.microsoft:Attention", 0) == packed
+    assert m["op_counts"].get("com.microsoft:MultiHeadAttention", 0) == separate
+    assert "com.microsoft:Attention" not in m["op_counts"]
     assert m["fused_attention"] == BLOCKS[arch] - written_out
     assert m["op_counts"].get("Softmax", 0) == manifest(repo, arch)["op_counts"].get("Softmax", 0) + written_out
     assert m["parity"]["fused_fp32"]["logits_max_abs_diff"] <= 1e-4  # the fusions are gated against PyTorch too
@@ -107,7 +108,30 @@ def test_attention_the_fused_op_does_not_compute_is_left_as_it_is(repo):
     graph = onnx_ir.load(repo / "vit" / "model.onnx")
     causal = next(n for n in graph.graph if n.op_type == "Attention")
     causal.attributes["is_causal"] = onnx_ir.AttrInt64("is_causal", 1)
-    assert fuse_for_ort(graph)["Attention"] == BLOCKS["vit"] - 2  # neither the causal one nor the last
+    assert fuse_for_ort(graph)["MultiHeadAttention"] == BLOCKS["vit"] - 2  # neither the causal one nor the last
+
+
+def test_vit_attention_fused_either_way_gives_the_same_answers(tmp_path):
+    """MultiHeadAttention over separate q, k, v with k's and v's biases folded away (the export's), and
+    com.microsoft Attention over the packed projection (what `bench/gpu.py --ablate` compares it with)."""
+    torch.manual_seed(0)
+    model = models.create_model(MICRO["deit"]).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(0, 0.5)  # biases that are not zero, so that the folding shows
+    images = np.random.default_rng(0).integers(0, 256, (3, 96, 96, 3), dtype=np.uint8)
+    runs, made = {}, {}
+    for name, without in (("unfused", tuple(REWRITES)), ("separate", ()), ("packed", ("MultiHeadAttention",))):
+        graph = export_program(MainGraph(export_form(model)), 96)
+        made[name] = fuse_for_ort(graph, without)
+        save_graph(graph, tmp_path / f"{name}.onnx")
+        session = ort.InferenceSession(tmp_path / f"{name}.onnx", providers=["CPUExecutionProvider"])
+        runs[name] = session.run(None, graph_inputs(images))
+    assert made["separate"]["MultiHeadAttention"] == made["packed"]["Attention"] == BLOCKS["deit"] - 1
+    for name in ("separate", "packed"):
+        for want, got in zip(runs["unfused"], runs[name]):
+            np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_a_graph_exported_for_one_batch_size_has_no_shape_arithmetic_and_the_same_answers(repo, tmp_path):
