@@ -13,15 +13,22 @@ the activations. `PackedQkvAttention` turns all of it, with the projection, into
 Attention (x, packed weights, bias) (DeiT-S/Ti 1.3-1.4x on an H100 against the same graph without it), but
 that op still adds the bias in a transposing copy of q, k and v (17% of DeiT-Ti's time). `SeparateQkvAttention`,
 tried first, goes further: three projections, k's and v's biases folded away, and com.microsoft
-MultiHeadAttention, which reads bias-free q, k and v in place. `PackedQkvAttention` is left as what
-`bench/gpu.py --ablate` ("without MultiHeadAttention") measures it against: until a GPU run has, the previous
-form stays one flag away. Both need the q, k, v and output to have no other use, so the last ViT/DeiT block,
-whose q and k also give the [CLS] row, keeps the standard op.
+MultiHeadAttention, which reads bias-free q, k and v in place; `PackedQkvAttention` stays as its comparison
+(below). Both need the q, k, v and output to have no other use, so the last ViT/DeiT block, whose q and k also
+give the [CLS] row, keeps the standard op.
 
 Swin's windowed attention carries an additive mask (relative position bias, plus the shifted windows' mask).
 ORT's CUDA kernel for opset-23 Attention with a float mask falls back to an unfused path whose softmax took
 half of Swin-T's fp16 GPU time; written out as MatMul, Add, Softmax, MatMul, ORT fuses the Add and Softmax
-into its BiasSoftmax kernel and runs the products as batched GEMMs: Swin-T 1.8x.
+into its BiasSoftmax kernel and runs the products as batched GEMMs: Swin-T 1.8x (`MaskedAttentionAsMatMuls`;
+`AlignedKeys` pads each window's keys to a multiple of 8 before it, where they serve the attention alone).
+`WindowAttentionAsMha`, tried first, makes the window attention one com.microsoft MultiHeadAttention over all
+windows' heads, with the mask as its attention bias: one fused kernel, no scores written out. It too needs q, k
+and v to have no other use, so the last block, whose q and k also give the attention map, is written out.
+
+Where two rewrites compete for the same attention, the newer one is tried first and the older one stays for
+what it does not match and as what `bench/gpu.py --ablate` ("without <newer>") measures it against: the newer
+ones (MultiHeadAttention for ViT/DeiT and for Swin's windows, the aligned keys) are not yet measured on a GPU.
 
 Only the fp16 graph (the CUDA provider's) is fused: the fp32 graph stays standard ONNX for any runtime, and
 the int8 quantizer cannot type com.microsoft ops' outputs.
@@ -142,6 +149,84 @@ packed_qkv_attention = RewriteRuleSet([PackedQkvAttention.rule()])
 separate_qkv_attention = RewriteRuleSet([SeparateQkvAttention.rule()])
 
 
+class WindowAttentionAsMha(RewriteRuleClassBase):
+    """Swin's window attention, as `QBiasWindowAttention` exports it (q, k and v gathered per window and head
+    from the packed projection's rows, q's bias added, the heads' outputs gathered back into token rows), into
+    one com.microsoft MultiHeadAttention whose "heads" are every window's heads, with the relative position bias
+    and the shifted windows' mask as its attention bias.
+
+    The Gathers lay q, k and v out as [B, M*M, windows * heads * d], the layout the fused kernels read in place,
+    each window's M*M positions padded to a multiple of 8 (the fused kernels' alignment for an attention bias;
+    the padding keys masked to -inf, the padding queries' rows never gathered back). One kernel then does what
+    took a batched product, the bias Add and softmax, and another product, without writing the scores out.
+    """
+
+    def pattern(self, op, rows, q_index, q_heads, q_bias, q_shape, k_index, k_shape, v_index, v_shape, mask,
+                flat_shape, token_index):
+        gathered_q = op.Reshape(op.Gather(rows, q_index, axis=1), q_heads, _allow_other_attributes=True)
+        q = op.Reshape(op.Add(gathered_q, q_bias), q_shape, _allow_other_attributes=True)
+        k = op.Reshape(op.Gather(rows, k_index, axis=1), k_shape, _allow_other_attributes=True)
+        v = op.Reshape(op.Gather(rows, v_index, axis=1), v_shape, _allow_other_attributes=True)
+        out = op.Attention(q, k, v, mask, _allow_other_attributes=True, _outputs=["attention"])
+        flat = op.Reshape(out, flat_shape, _allow_other_attributes=True)
+        return op.Gather(flat, token_index, axis=1, _outputs=["tokens"])
+
+    def check(self, context, q_index, q_bias, k_index, k_shape, v_index, mask, token_index, attention,
+              **_) -> MatchResult:
+        result = MatchResult()
+        indices = [_flat_constant(v) for v in (q_index, k_index, v_index, token_index)]
+        bias, dims = _constant(q_bias), _constant(k_shape)
+        if any(c is None for c in (*indices, bias, dims)) or bias.ndim != 3 or len(dims) != 4:
+            return result.fail("the gathers, q's bias and the head shape must be constants")
+        heads, n = bias.shape[0], int(dims[2])
+        if any(len(i) % (heads * n) for i in indices[:3]) or mask.shape is None or len(mask.shape) != 4:
+            return result.fail("not windows of heads over M*M positions with a 4-D mask")
+        if mask.dtype == ir.DataType.BOOL or list(mask.shape)[2:] != [n, n] or mask.shape[0] != 1:
+            return result.fail("not an additive mask shared by the batch")
+        if not _plain(attention):
+            return result.fail("a variant of attention")
+        return result
+
+    def rewrite(self, op, rows, q_index, q_bias, k_shape, k_index, v_index, mask, token_index, attention,
+                tokens, **_) -> ir.Value:
+        bias = _constant(q_bias)
+        heads, d, n = bias.shape[0], bias.shape[2], int(_constant(k_shape)[2])
+        windows = len(_flat_constant(q_index)) // (heads * n)
+        groups, padded = windows * heads, -(-n // 8) * 8
+
+        def constant(array: np.ndarray) -> ir.Value:
+            return op.Constant(value=ir.tensor(np.ascontiguousarray(array)))
+
+        def mha_layout(index: ir.Value) -> ir.Value:
+            """[B, padded, windows * heads * d]: each position's row of every window's heads."""
+            rows_of = _flat_constant(index).reshape(windows, heads, n)
+            rows_of = np.concatenate([rows_of, rows_of[..., :padded - n]], axis=-1)  # padding: copies of real rows
+            gathered = op.Gather(rows, constant(rows_of.transpose(2, 0, 1).reshape(-1)), axis=1)
+            return op.Reshape(gathered, constant(np.array([0, padded, groups * d])))
+
+        q = op.Reshape(mha_layout(q_index), constant(np.array([0, padded, windows, heads, d])))
+        q = op.Reshape(op.Add(q, constant(bias.reshape(heads, d))), constant(np.array([0, padded, groups * d])))
+        # the mask [1, heads or windows * heads, n, n] for every window's heads, padded (made of constants: ORT
+        # folds this at load)
+        shared = op.Expand(op.Reshape(mask, constant(np.array([1, -1, heads, n, n]))),
+                           constant(np.array([1, windows, heads, n, n])))
+        wide = op.Pad(op.Reshape(shared, constant(np.array([1, groups, n, n]))),
+                      constant(np.array([0, 0, 0, 0, 0, 0, 0, padded - n])), constant(np.array(-np.inf, np.float32)))
+        wide = op.Pad(wide, constant(np.array([0, 0, 0, 0, 0, 0, padded - n, 0])), constant(np.array(0, np.float32)))
+        scale = attention.producer().attributes.get_float("scale", d ** -0.5)
+        out = op.MultiHeadAttention(q, mha_layout(k_index), mha_layout(v_index), None, None, wide,
+                                    num_heads=groups, scale=scale, _domain="com.microsoft")
+        position = _flat_constant(token_index)  # rows of [B, windows * heads * n, d], (window, head, position)
+        rows_out = position % n * groups + position // n  # the same rows of [B, padded * windows * heads, d]
+        flat = op.Reshape(out, constant(np.array([0, padded * groups, d])))
+        gathered = op.Gather(flat, constant(rows_out), axis=1)
+        gathered.dtype, gathered.shape = tokens.dtype, tokens.shape
+        return gathered
+
+
+window_attention_as_mha = RewriteRuleSet([WindowAttentionAsMha.rule()])
+
+
 class AlignedKeys(RewriteRuleClassBase):
     """Attention over keys and values gathered per window (Swin's, M*M = 49 of them) -> the same over keys
     padded to a multiple of 8, the padding's scores masked to -inf (a weight of exactly 0).
@@ -231,7 +316,9 @@ masked_attention_as_matmuls = RewriteRuleSet([MaskedAttentionAsMatMuls.rule()])
 
 REWRITES = {"MultiHeadAttention": separate_qkv_attention.apply_to_model,
             "Attention": packed_qkv_attention.apply_to_model, "SkipLayerNormalization": fuse_skip_layer_normalization,
-            "BiasGelu": fuse_bias_gelu, "aligned keys": aligned_keys.apply_to_model,
+            "BiasGelu": fuse_bias_gelu,
+            "window attention as MultiHeadAttention": window_attention_as_mha.apply_to_model,
+            "aligned keys": aligned_keys.apply_to_model,
             "masked attention as MatMuls": masked_attention_as_matmuls.apply_to_model}
 
 

@@ -92,11 +92,10 @@ def test_fp16_graphs_carry_onnx_runtimes_fused_kernels_and_fp32_stays_standard(r
     assert _residual_sums_into_layer_norms(fp16) == [] and "ReduceMean" not in m["op_counts"]
     # ORT's fused form: output 3 carries the sum on; 1 and 2 (statistics its CUDA kernel never makes) absent
     assert {tuple(n.output[1:3]) for n in fp16.graph.node if n.op_type == "SkipLayerNormalization"} == {("", "")}
-    # every block's packed q/k/v projection with its attention, but the last ViT/DeiT one (its q, k give the [CLS]
-    # row too), as separate q, k, v; Swin's windowed attention is not that pattern: written out as MatMuls
-    separate = 0 if arch == "swin" else BLOCKS[arch] - 1
-    written_out = BLOCKS[arch] if arch == "swin" else 0
-    assert m["op_counts"].get("com.microsoft:MultiHeadAttention", 0) == separate
+    # every block's attention one MultiHeadAttention but the last (its q and k also give the attention map), which
+    # Swin writes out as MatMuls (its mask) and ViT/DeiT keep as the standard op
+    written_out = 1 if arch == "swin" else 0
+    assert m["op_counts"]["com.microsoft:MultiHeadAttention"] == BLOCKS[arch] - 1
     assert "com.microsoft:Attention" not in m["op_counts"]
     assert m["fused_attention"] == BLOCKS[arch] - written_out
     assert m["op_counts"].get("Softmax", 0) == manifest(repo, arch)["op_counts"].get("Softmax", 0) + written_out
@@ -260,6 +259,30 @@ def test_masked_attention_is_written_out_with_the_same_answers_and_a_boolean_mas
            for name, model in (("original", original), ("rewritten", onnx_ir.to_proto(rewritten)))}
     assert made == (1 if mask_type == TensorProto.FLOAT else 0)
     np.testing.assert_allclose(run["rewritten"], run["original"], atol=1e-6)
+
+
+@pytest.mark.parametrize("img_size", [96, 104])
+def test_swin_window_attention_as_one_multihead_attention_gives_the_same_answers(img_size, tmp_path):
+    """Every window's heads as one MultiHeadAttention with the masks as its attention bias, each window's 36
+    positions padded to 40: the same outputs as the graph unfused, shifted and padded windows included."""
+    torch.manual_seed(0)
+    model = models.create_model(MICRO["swin"], img_size=img_size).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(0, 0.5)
+    images = np.random.default_rng(0).integers(0, 256, (2, img_size, img_size, 3), dtype=np.uint8)
+    runs = {}
+    for name, without in (("unfused", tuple(REWRITES)),
+                          ("mha", tuple(r for r in REWRITES if r != "window attention as MultiHeadAttention"))):
+        graph = export_program(MainGraph(export_form(model)), img_size)
+        made = fuse_for_ort(graph, without)
+        save_graph(graph, tmp_path / f"{name}.onnx")
+        runs[name] = ort.InferenceSession(tmp_path / f"{name}.onnx", providers=["CPUExecutionProvider"]).run(
+            None, graph_inputs(images))
+    assert made == {"window attention as MultiHeadAttention": BLOCKS["swin"] - 1}  # not the last: its q, k give the map
+    for want, got in zip(runs["unfused"], runs["mha"]):
+        np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_swin_keys_are_padded_to_a_multiple_of_8_with_the_same_answers(repo, tmp_path):
