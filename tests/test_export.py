@@ -36,6 +36,18 @@ def repo(tmp_path_factory):
     return out
 
 
+def with_biases(name: str, **kwargs) -> torch.nn.Module:
+    """A seeded random-init model whose biases (and norms) are not zero, as trained ones are not: folding a bias
+    away shows only then."""
+    torch.manual_seed(0)
+    model = models.create_model(name, **kwargs).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(0, 0.5)
+    return model
+
+
 def manifest(repo, arch: str) -> dict:
     return json.loads((repo / arch / "manifest.json").read_text())
 
@@ -113,12 +125,7 @@ def test_attention_the_fused_op_does_not_compute_is_left_as_it_is(repo):
 def test_vit_attention_fused_either_way_gives_the_same_answers(tmp_path):
     """MultiHeadAttention over separate q, k, v with k's and v's biases folded away (the export's), and
     com.microsoft Attention over the packed projection (what `bench/gpu.py --ablate` compares it with)."""
-    torch.manual_seed(0)
-    model = models.create_model(MICRO["deit"]).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.normal_(0, 0.5)  # biases that are not zero, so that the folding shows
+    model = with_biases(MICRO["deit"])
     images = np.random.default_rng(0).integers(0, 256, (3, 96, 96, 3), dtype=np.uint8)
     runs, made = {}, {}
     for name, without in (("unfused", tuple(REWRITES)), ("separate", ()), ("packed", ("MultiHeadAttention",))):
@@ -151,12 +158,7 @@ def test_a_graph_exported_for_one_batch_size_has_no_shape_arithmetic_and_the_sam
 def test_swin_exported_with_only_qs_bias_gives_the_same_answers(img_size):
     """k's bias cancels in the softmax and v's moves into the output projection's: same outputs, shifted and
     padded windows included, for biases that are not zero."""
-    torch.manual_seed(0)
-    model = models.create_model(MICRO["swin"], img_size=img_size).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.normal_(0, 0.5)
+    model = with_biases(MICRO["swin"], img_size=img_size)
     exported = export_form(model)
     assert all(b.attn.qkv.bias is None for stage in exported.layers for b in stage.blocks)
     images = torch.randint(0, 256, (2, img_size, img_size, 3), dtype=torch.uint8)
@@ -265,12 +267,7 @@ def test_masked_attention_is_written_out_with_the_same_answers_and_a_boolean_mas
 def test_swin_window_attention_as_one_multihead_attention_gives_the_same_answers(img_size, tmp_path):
     """Every window's heads as one MultiHeadAttention with the masks as its attention bias, each window's 36
     positions padded to 40: the same outputs as the graph unfused, shifted and padded windows included."""
-    torch.manual_seed(0)
-    model = models.create_model(MICRO["swin"], img_size=img_size).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.normal_(0, 0.5)
+    model = with_biases(MICRO["swin"], img_size=img_size)
     images = np.random.default_rng(0).integers(0, 256, (2, img_size, img_size, 3), dtype=np.uint8)
     runs = {}
     for name, without in (("unfused", tuple(REWRITES)),
