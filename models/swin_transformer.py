@@ -172,8 +172,6 @@ class SwinTransformerBlock(nn.Module):
         if min(resolution) <= window:
             window, shift = min(resolution), 0
         self.window = window
-        self.shift = shift
-        self.resolution = resolution
         self.norm1 = nn.LayerNorm(dim)
         self.attn = WindowAttention(dim, num_heads, window, resolution, shift, qkv_bias, attn_drop, drop)
         self.norm2 = nn.LayerNorm(dim)
