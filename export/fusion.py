@@ -199,8 +199,7 @@ class WindowAttentionAsMha(RewriteRuleClassBase):
 
         def mha_layout(index: ir.Value) -> ir.Value:
             """[B, padded, windows * heads * d]: each position's row of every window's heads."""
-            rows_of = _flat_constant(index).reshape(windows, heads, n)
-            rows_of = np.concatenate([rows_of, rows_of[..., :padded - n]], axis=-1)  # padding: copies of real rows
+            rows_of = _flat_constant(index).reshape(windows, heads, n)[..., np.arange(padded) % n]  # padding: copies
             gathered = op.Gather(rows, constant(rows_of.transpose(2, 0, 1).reshape(-1)), axis=1)
             return op.Reshape(gathered, constant(np.array([0, padded, groups * d])))
 
@@ -271,8 +270,8 @@ class AlignedKeys(RewriteRuleClassBase):
             return value
 
         def padded(index: ir.Value, shape: ir.Value, like: ir.Value) -> ir.Value:
-            groups = _flat_constant(index).reshape(-1, n)  # each window's (and head's) keys, contiguous
-            longer = np.concatenate([groups, groups[:, :pad]], axis=1).reshape(-1)
+            # each window's (and head's) keys, contiguous; the padding copies of the first
+            longer = _flat_constant(index).reshape(-1, n)[:, np.arange(n + pad) % n].reshape(-1)
             dims = _constant(shape).copy()
             dims[2] += pad
             gathered = op.Gather(rows, op.Constant(value=ir.tensor(longer)), axis=1)

@@ -263,7 +263,7 @@ def test_masked_attention_is_written_out_with_the_same_answers_and_a_boolean_mas
     np.testing.assert_allclose(run["rewritten"], run["original"], atol=1e-6)
 
 
-@pytest.mark.parametrize("img_size", [96, 104])
+@pytest.mark.parametrize("img_size", [96, 104, 16])  # 16 px: a last stage of one token, padded to 8 positions
 def test_swin_window_attention_as_one_multihead_attention_gives_the_same_answers(img_size, tmp_path):
     """Every window's heads as one MultiHeadAttention with the masks as its attention bias, each window's 36
     positions padded to 40: the same outputs as the graph unfused, shifted and padded windows included."""
