@@ -95,7 +95,8 @@ def test_fp16_export_passes_its_gate_on_cuda_and_is_served_for_its_base_name(tmp
 
 @pytest.mark.parametrize("name", ["swin_micro_patch4_window6_96", "vit_micro_patch8_96"])
 def test_fp16_exports_pass_their_gate_on_cuda(tmp_path, name):
-    """Swin's keys padded under a -inf mask and ViT's bias-free MultiHeadAttention, on ORT's CUDA kernels."""
+    """Swin's windows as one MultiHeadAttention (positions padded, the padding keys under a -inf attention bias)
+    and ViT's bias-free MultiHeadAttention, on ORT's CUDA kernels."""
     weights = ROOT / "models" / "demo" / name / "model.safetensors"
     export_main([name, "--weights", str(weights), "--precision", "fp16", "--out", str(tmp_path), "--no-explain"])
     fp16 = json.loads((tmp_path / f"{name}-fp16" / "manifest.json").read_text())["parity"]["fp16"]
