@@ -7,10 +7,10 @@ service's figures divided by the raw session's.
 graphs:  images/s of each model at each batch, the variants alternating round by round (medians):
          ORT fp32/fp16 "dev" (input and outputs resident on the GPU, IOBinding with OrtValues; fp16 as exported,
          with ORT's fused kernels written in, and "fp16 unfused", converted without those fusions (--ablate: also
-         without each one in turn); at batch <= 8 also "fp16 CUDA graph", exported for exactly that batch and
-         replayed as a CUDA graph), the service's `Runner` (the batch gathered into its page-locked host buffer,
-         outputs copied back; "pageable": gathered into plain memory; "2 threads": two batches at a time from two
-         threads, as the service's inference threads run them, over one session or one each; at batch <= 8 also
+         without each one in turn, or each one named); at batch <= 8 also "fp16 CUDA graph", exported for exactly
+         that batch and replayed as a CUDA graph), the service's `Runner` (the batch gathered into its page-locked
+         host buffer, outputs copied back; "pageable": gathered into plain memory; "2 threads": two batches at a time
+         from two threads, as the service's inference threads run them, over one session or one each; at batch <= 8 also
          with its CUDA graph, the dynamic graph's batch fixed at load), the project's PyTorch model in fp16, eager and
          under torch.compile (inductor; compiled once per batch size, not timed), timm with AMP and channels_last if it
          imports. Without CUDA: ORT fp32 on the CPU, Runner, PyTorch fp32 eager.
@@ -186,7 +186,7 @@ def timm_amp(model: str, batch: int):
 
 
 def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, rounds: int, seconds: float,
-           sdpa_kernels: list[str], ablate: bool) -> dict:
+           sdpa_kernels: list[str], ablate: list[str]) -> dict:
     try:
         import timm  # noqa: F401
         has_timm = cuda
@@ -210,9 +210,8 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
                          "torch.compile fp16": torch_model(model, batch, True, compiled=True)}
                 optional = {f"ORT fp16 dev, sdpa {k}": lambda v=v: ort_on_device(fp16, batch, sdpa_kernel=v)
                             for k, v in SDPA_KERNELS.items() if k in sdpa_kernels}
-                if ablate:
-                    calls.update({f"ORT fp16 without {r}": ort_on_device(fp16, batch, fp16_graph(cache, model, (r,)))
-                                  for r in REWRITES})
+                calls.update({f"ORT fp16 without {r}": ort_on_device(fp16, batch, fp16_graph(cache, model, (r,)))
+                              for r in ablate})
                 if batch <= CUDA_GRAPH_MAX_BATCH:
                     optional["ORT fp16 CUDA graph"] = lambda: cuda_graph_on_device(model, batch, cache)
                     optional["Runner fp16 CUDA graph"] = lambda: runner(fp16, batch, CUDA, cuda_graphs=True)
@@ -318,8 +317,9 @@ def main() -> None:
     p.add_argument("--cache", type=Path, default=ROOT / "build" / "bench" / "gpu")
     p.add_argument("--sdpa-kernels", nargs="+", choices=SDPA_KERNELS, default=[],
                    help="graphs: also ORT fp16 dev with this attention kernel forced (the CUDA provider's sdpa_kernel)")
-    p.add_argument("--ablate", action="store_true",
-                   help="graphs: also the fp16 graph without each of export/fusion.py's rewrites, one at a time")
+    p.add_argument("--ablate", nargs="*", choices=list(REWRITES), metavar="REWRITE",
+                   help="graphs: also the fp16 graph without each of export/fusion.py's rewrites named (none named: "
+                        "all of them), one at a time")
     p.add_argument("--cuda-graph-max-batch", type=int, default=0,
                    help="service: VITSERVE_CUDA_GRAPH_MAX_BATCH (small batches replayed as CUDA graphs)")
     args = p.parse_args()
@@ -332,7 +332,8 @@ def main() -> None:
     batches = args.batches or ([1, 64, 256] if cuda else [1, 16])
     device = gpu_name() if cuda else f"no usable GPU, {os.cpu_count()} CPU cores"
     print(f"bench/gpu.py on {device}; onnxruntime {ort.__version__}")
-    raw = (graphs(models, batches, args.cache, cuda, args.rounds, args.seconds, args.sdpa_kernels, args.ablate)
+    ablate = [] if args.ablate is None else args.ablate or list(REWRITES)
+    raw = (graphs(models, batches, args.cache, cuda, args.rounds, args.seconds, args.sdpa_kernels, ablate)
            if "graphs" in args.parts else {})
     if "service" in args.parts:
         service(models[0], args.cache, cuda, args.clients, args.seconds, raw, max(batches), args.cuda_graph_max_batch)
