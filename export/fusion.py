@@ -66,6 +66,28 @@ def _plain(attention: ir.Value) -> bool:
     return all(attrs.get(name) is None or attrs[name].value == default for name, default in defaults)
 
 
+def _const(op, array: np.ndarray) -> ir.Value:
+    return op.Constant(value=ir.tensor(np.array(array, order="C")))  # keeps a scalar a scalar
+
+
+def _typed(value: ir.Value, like: ir.Value, shape: list | None = None) -> ir.Value:
+    """`value` given `like`'s type and shape (or `shape`): the rewrites after one match on shapes."""
+    value.dtype, value.shape = like.dtype, like.shape if shape is None else ir.Shape(shape)
+    return value
+
+
+def _padded_positions(index: np.ndarray, n: int, length: int) -> np.ndarray:
+    """Gather indices [..., n] (a window's positions) -> [..., length], the padding copies of real positions
+    (cyclically, so that windows shorter than the padding pad too)."""
+    return index[..., np.arange(length) % n]
+
+
+def _keys_masked_out(op, mask: ir.Value, pad: int) -> ir.Value:
+    """The additive mask with `pad` more keys at -inf: a weight of exactly 0 (the mask is made of constants, so
+    ONNX Runtime folds this at load)."""
+    return op.Pad(mask, _const(op, np.array([0] * 7 + [pad])), _const(op, np.array(-np.inf, mask.dtype.numpy())))
+
+
 class PackedQkvAttention(RewriteRuleClassBase):
     """x @ Wqkv + b -> [B, N, 3, heads, d] -> q, k, v -> opset-23 Attention -> [B, N, D], as torch exports
     timm's attention, into com.microsoft Attention(x, Wqkv, b)."""
@@ -135,9 +157,7 @@ class SeparateQkvAttention(PackedQkvAttention):
             return op.initializer(ir.tensor(np.ascontiguousarray(array)), name=f"{weight.name}.{part}")
 
         def like_x(value: ir.Value) -> ir.Value:
-            """Every value here is [B, N, D] as x is; typed so that the fusions after this one match on it."""
-            value.dtype, value.shape = x.dtype, x.shape
-            return value
+            return _typed(value, x)  # every value here is [B, N, D] as x is
 
         q = like_x(op.Add(like_x(op.MatMul(x, constant(wq, "q"))), constant(bq, "q_bias")))
         k, v = like_x(op.MatMul(x, constant(wk, "k"))), like_x(op.MatMul(x, constant(wv, "v")))
@@ -195,22 +215,21 @@ class WindowAttentionAsMha(RewriteRuleClassBase):
         groups, padded = windows * heads, -(-n // 8) * 8
 
         def constant(array: np.ndarray) -> ir.Value:
-            return op.Constant(value=ir.tensor(np.ascontiguousarray(array)))
+            return _const(op, array)
 
         def mha_layout(index: ir.Value) -> ir.Value:
             """[B, padded, windows * heads * d]: each position's row of every window's heads."""
-            rows_of = _flat_constant(index).reshape(windows, heads, n)[..., np.arange(padded) % n]  # padding: copies
+            rows_of = _padded_positions(_flat_constant(index).reshape(windows, heads, n), n, padded)
             gathered = op.Gather(rows, constant(rows_of.transpose(2, 0, 1).reshape(-1)), axis=1)
             return op.Reshape(gathered, constant(np.array([0, padded, groups * d])))
 
         q = op.Reshape(mha_layout(q_index), constant(np.array([0, padded, windows, heads, d])))
         q = op.Reshape(op.Add(q, constant(bias.reshape(heads, d))), constant(np.array([0, padded, groups * d])))
-        # the mask [1, heads or windows * heads, n, n] for every window's heads, padded (made of constants: ORT
-        # folds this at load)
+        # the mask [1, heads or windows * heads, n, n] for every window's heads; the padding queries' rows at 0
         shared = op.Expand(op.Reshape(mask, constant(np.array([1, -1, heads, n, n]))),
                            constant(np.array([1, windows, heads, n, n])))
-        wide = op.Pad(op.Reshape(shared, constant(np.array([1, groups, n, n]))),
-                      constant(np.array([0, 0, 0, 0, 0, 0, 0, padded - n])), constant(np.array(-np.inf, np.float32)))
+        shared = _typed(op.Reshape(shared, constant(np.array([1, groups, n, n]))), mask, [1, groups, n, n])
+        wide = _keys_masked_out(op, shared, padded - n)
         wide = op.Pad(wide, constant(np.array([0, 0, 0, 0, 0, 0, padded - n, 0])), constant(np.array(0, np.float32)))
         scale = attention.producer().attributes.get_float("scale", d ** -0.5)
         out = op.MultiHeadAttention(q, mha_layout(k_index), mha_layout(v_index), None, None, wide,
@@ -218,9 +237,7 @@ class WindowAttentionAsMha(RewriteRuleClassBase):
         position = _flat_constant(token_index)  # rows of [B, windows * heads * n, d], (window, head, position)
         rows_out = position % n * groups + position // n  # the same rows of [B, padded * windows * heads, d]
         flat = op.Reshape(out, constant(np.array([0, padded * groups, d])))
-        gathered = op.Gather(flat, constant(rows_out), axis=1)
-        gathered.dtype, gathered.shape = tokens.dtype, tokens.shape
-        return gathered
+        return _typed(op.Gather(flat, constant(rows_out), axis=1), tokens)
 
 
 window_attention_as_mha = RewriteRuleSet([WindowAttentionAsMha.rule()])
@@ -264,22 +281,18 @@ class AlignedKeys(RewriteRuleClassBase):
         pad = -n % 8
 
         def wider(value: ir.Value, like: ir.Value, axis: int) -> ir.Value:
-            """`value` given `like`'s type and shape, `pad` longer along `axis` (the next rewrite matches on it)."""
-            value.dtype = like.dtype
-            value.shape = ir.Shape([d + pad if i == axis else d for i, d in enumerate(like.shape)])
-            return value
+            """`value` typed as `like`, `pad` longer along `axis`."""
+            return _typed(value, like, [d + pad if i == axis else d for i, d in enumerate(like.shape)])
 
         def padded(index: ir.Value, shape: ir.Value, like: ir.Value) -> ir.Value:
-            # each window's (and head's) keys, contiguous; the padding copies of the first
-            longer = _flat_constant(index).reshape(-1, n)[:, np.arange(n + pad) % n].reshape(-1)
+            # each window's (and head's) keys are contiguous in the index
+            longer = _padded_positions(_flat_constant(index).reshape(-1, n), n, n + pad).reshape(-1)
             dims = _constant(shape).copy()
             dims[2] += pad
-            gathered = op.Gather(rows, op.Constant(value=ir.tensor(longer)), axis=1)
-            return wider(op.Reshape(gathered, op.Constant(value=ir.tensor(dims))), like, 2)
+            gathered = op.Gather(rows, _const(op, longer), axis=1)
+            return wider(op.Reshape(gathered, _const(op, dims)), like, 2)
 
-        # the mask is made of constants, so ONNX Runtime folds this at load
-        wide = wider(op.Pad(mask, op.Constant(value=ir.tensor(np.array([0] * 7 + [pad], np.int64))),
-                            op.Constant(value=ir.tensor(np.array(-np.inf, mask.dtype.numpy())))), mask, 3)
+        wide = wider(_keys_masked_out(op, mask, pad), mask, 3)
         attributes = {name: attr.value for name, attr in attention.producer().attributes.items()}
         return op.Attention(q, padded(k_index, k_shape, k), padded(v_index, v_shape, v), wide, **attributes)
 
@@ -305,7 +318,7 @@ class MaskedAttentionAsMatMuls(RewriteRuleClassBase):
 
     def rewrite(self, op, q, k, v, mask, attention) -> ir.Value:
         scale = attention.producer().attributes.get_float("scale", q.shape[3] ** -0.5)
-        scaled = op.Mul(q, op.Constant(value=ir.tensor(np.float32(scale))))
+        scaled = op.Mul(q, _const(op, np.float32(scale)))
         scores = op.MatMul(scaled, op.Transpose(k, perm=[0, 1, 3, 2]))
         return op.MatMul(op.Softmax(op.Add(scores, mask), axis=-1), v)
 
