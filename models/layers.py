@@ -4,12 +4,14 @@ from torch import nn
 
 
 class PatchEmbed(nn.Module):
-    """Image to a grid of patch tokens, [B, 3, H, W] -> [B, H/p, W/p, D].
+    """Image to patch tokens, [B, 3, H, W] -> token rows [B, H/p * W/p, D]: the grid in row-major order, or each
+    row the grid position `order` gives (Swin's merge order).
 
     A conv with kernel = stride = patch size is a linear projection of each non-overlapping patch.
     """
 
-    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int, norm: bool = False):
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int, norm: bool = False,
+                 order: torch.Tensor | None = None):
         super().__init__()
         if img_size % patch_size:
             raise ValueError(f"image size {img_size} is not a multiple of the patch size {patch_size}")
@@ -17,9 +19,11 @@ class PatchEmbed(nn.Module):
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
         self.norm = nn.LayerNorm(embed_dim) if norm else nn.Identity()
+        self.register_buffer("order", order, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.proj(x).permute(0, 2, 3, 1))
+        x = self.proj(x).flatten(2).transpose(1, 2)
+        return self.norm(x if self.order is None else x.index_select(1, self.order))
 
 
 class Mlp(nn.Module):

@@ -7,11 +7,12 @@ shifts the windows by M/2 with a cyclic roll and masks attention between tokens 
 together from opposite edges. Between stages, patch merging concatenates each 2 x 2 neighbourhood (4C)
 and projects it to 2C, halving the grid. The classifier averages the last stage's tokens.
 
-Inside a stage the residual stream is kept as token rows [B, H*W, C]: each residual sum that feeds a
-LayerNorm is then the [batch, sequence, hidden] pattern ONNX Runtime fuses into one kernel
-(export/fusion.py). The windows (shift and padding included) never exist as tokens: the attention gathers its
-q, k and v per window and head straight from the rows' packed projection, and the heads' outputs straight back
-into rows (`WindowAttention`).
+The residual stream is kept as token rows [B, H*W, C]: each residual sum that feeds a LayerNorm is then the
+[batch, sequence, hidden] pattern ONNX Runtime fuses into one kernel (export/fusion.py). The rows are in merge
+order (`merge_order`), each 2 x 2 neighbourhood four consecutive rows, so that patch merging is a reshape; only
+the last stage's are row-major. The windows (shift and padding included) never exist as tokens: the attention
+gathers its q, k and v per window and head straight from the rows' packed projection, and the heads' outputs
+straight back into rows (`WindowAttention`), whatever the rows' order.
 
 Parameter names and shapes are timm's (`layers.N.downsample` at the start of a stage, `head.fc`);
 `checkpoint_filter_fn` also reads the official release layout (downsample at the end of a stage, `head`,
@@ -42,13 +43,54 @@ def relative_position_index(window: int) -> torch.Tensor:
     return rel[..., 0] * (2 * window - 1) + rel[..., 1]
 
 
-def window_order(height: int, width: int, window: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+def grid_rows(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of a token order: for each grid position (row-major), its row."""
+    rows = torch.empty_like(order)
+    rows[order] = torch.arange(len(order))
+    return rows
+
+
+def merge_order(height: int, width: int, merges: int) -> torch.Tensor:
+    """[H*W]: the grid position (row-major) of each token row, in an order where every 2 x 2 neighbourhood that
+    the next patch merging concatenates is four consecutive rows, in the original's order (0,0), (1,0), (0,1),
+    (1,1) as (row, col), and the merged grid again in this order, for `merges` mergings (H and W divisible by
+    2**merges). The merging is then a reshape, and the residual sum before it meets its LayerNorm directly.
+    No merging: row-major."""
+    if merges == 0:
+        return torch.arange(height * width)
+    coarse = merge_order(height // 2, width // 2, merges - 1)
+    row, col = (coarse // (width // 2)).view(-1, 1), (coarse % (width // 2)).view(-1, 1)
+    return ((2 * row + torch.tensor([0, 1, 0, 1])) * width + 2 * col + torch.tensor([0, 0, 1, 1])).flatten()
+
+
+def stage_orders(grids: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Each stage's token order: the merge order over the mergings that follow it without padding (an odd grid
+    is padded to even); the last stage's is row-major."""
+    merges = [0]
+    for height, width in reversed(grids[:-1]):
+        merges.insert(0, 0 if height % 2 or width % 2 else merges[0] + 1)
+    return [merge_order(h, w, m) for (h, w), m in zip(grids, merges)]
+
+
+def merge_rows(resolution: tuple[int, int], order_in: torch.Tensor, order_out: torch.Tensor) -> torch.Tensor:
+    """[H'*W' * 4]: for each token of the halved grid (rows in `order_out`), the rows (in `order_in`) of its 2 x 2
+    neighbourhood, in the original's order; H*W, an extra zero row, where the grid is padded to even."""
+    height, width = resolution
+    grid = torch.full((height + height % 2, width + width % 2), height * width)
+    grid[:height, :width] = grid_rows(order_in).view(height, width)
+    neighbours = grid.view(grid.shape[0] // 2, 2, grid.shape[1] // 2, 2).permute(0, 2, 3, 1).reshape(-1, 4)
+    return neighbours[order_out].flatten()
+
+
+def window_order(height: int, width: int, window: int, shift: int,
+                 order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where the cyclic shift, the padding and the window partition put each token, as two index lists: for each
     window position (windows in row-major order, M*M tokens each) the row it reads in a [B, H*W (+1), C] token
-    list, padding reading the extra zero row H*W; and for each row, the window position it ends up at.
+    list whose rows are the grid positions `order`, padding reading the extra zero row H*W; and for each row,
+    the window position it ends up at.
     """
     padded = (-(-height // window) * window, -(-width // window) * window)
-    rows = torch.arange(height * width).view(1, height, width, 1)
+    rows = grid_rows(order).view(1, height, width, 1)
     if shift:
         rows = torch.roll(rows, shifts=(-shift, -shift), dims=(1, 2))
     rows = F.pad(rows, (0, 0, 0, padded[1] - width, 0, padded[0] - height), value=height * width)
@@ -87,7 +129,7 @@ def shifted_window_mask(height: int, width: int, window: int, shift: int) -> tor
 
 class WindowAttention(nn.Module):
     """Multi-head self-attention inside the (shifted) windows of an H x W token grid, with a relative position
-    bias per head, on token rows [B, H*W, C].
+    bias per head, on token rows [B, H*W, C] whose grid positions are `order`.
 
     The windows never exist as tokens: q, k and v are each one Gather (`head_rows`) from the packed projection
     of the token rows, straight into [windows, heads, M*M, d] with the shift and padding, and the heads' outputs
@@ -96,11 +138,12 @@ class WindowAttention(nn.Module):
     """
 
     def __init__(self, dim: int, num_heads: int, window: int, resolution: tuple[int, int], shift: int,
-                 qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0):
+                 order: torch.Tensor, qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0):
         super().__init__()
         self.num_heads = num_heads
         self.window = window
         self.shift = shift
+        self.order = order  # the geometry (window, resolution, shift, order) builds variants (export's)
         self.attn_drop = attn_drop
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, num_heads))
         self.register_buffer("relative_position_index", relative_position_index(window), persistent=False)
@@ -113,7 +156,7 @@ class WindowAttention(nn.Module):
         self.resolution = resolution
         mask = shifted_window_mask(padded[0], padded[1], window, shift) if shift else None
         self.register_buffer("attn_mask", mask, persistent=False)
-        to_windows, to_rows = window_order(*resolution, window, shift)
+        to_windows, to_rows = window_order(*resolution, window, shift, order)
         for name, index in zip(("q_rows", "k_rows", "v_rows"), head_rows(to_windows, num_heads, window)):
             self.register_buffer(name, index, persistent=False)  # each its own constant in the graph
         self.register_buffer("token_rows", token_rows(to_rows, num_heads, window), persistent=False)
@@ -136,7 +179,7 @@ class WindowAttention(nn.Module):
         """Token rows [B, H*W, C] -> the same, attended and projected.
 
         With `received`, also returns the attention each token receives, averaged over its window's queries,
-        [B, H, W, heads], computed beside the fused kernel.
+        [B, H*W, heads] (rows as x's), computed beside the fused kernel.
         """
         B, L, C = x.shape
         heads, n, d = self.num_heads, self.window * self.window, C // self.num_heads
@@ -158,14 +201,15 @@ class WindowAttention(nn.Module):
             return out
         probs = ((q * d ** -0.5) @ k.transpose(-2, -1) + bias).softmax(dim=-1)
         got = row_mean(probs).reshape(B, -1).index_select(1, self.token_rows)
-        return out, got.view(B, *self.resolution, heads)
+        return out, got.view(B, L, heads)
 
 
 class SwinTransformerBlock(nn.Module):
-    """(Shifted) window attention and MLP, each pre-norm with a residual, on the token rows of an H x W grid."""
+    """(Shifted) window attention and MLP, each pre-norm with a residual, on the token rows of an H x W grid
+    (grid positions `order`)."""
 
-    def __init__(self, dim: int, resolution: tuple[int, int], num_heads: int, window: int, shift: int,
-                 mlp_ratio: float = 4.0, qkv_bias: bool = True, drop: float = 0.0, attn_drop: float = 0.0,
+    def __init__(self, dim: int, resolution: tuple[int, int], order: torch.Tensor, num_heads: int, window: int,
+                 shift: int, mlp_ratio: float = 4.0, qkv_bias: bool = True, drop: float = 0.0, attn_drop: float = 0.0,
                  drop_path: float = 0.0):
         super().__init__()
         # A stage no larger than the window is one window, and shifting it would change nothing.
@@ -173,14 +217,14 @@ class SwinTransformerBlock(nn.Module):
             window, shift = min(resolution), 0
         self.window = window
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = WindowAttention(dim, num_heads, window, resolution, shift, qkv_bias, attn_drop, drop)
+        self.attn = WindowAttention(dim, num_heads, window, resolution, shift, order, qkv_bias, attn_drop, drop)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, received: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token rows [B, H*W, C] -> the same. With `received`, also returns the attention each token receives in
-        its window, [B, H, W, heads]."""
+        its window, [B, H*W, heads]."""
         attn = self.attn(self.norm1(x), received)
         attn, got = attn if received else (attn, None)
         x = x + self.drop_path(attn)
@@ -189,47 +233,49 @@ class SwinTransformerBlock(nn.Module):
 
 
 class PatchMerging(nn.Module):
-    """[B, H, W, C] -> [B, H/2, W/2, 2C]: concatenate each 2 x 2 neighbourhood, LayerNorm, project."""
+    """Token rows of an H x W grid [B, H*W, C] -> of the H/2 x W/2 grid [B, H*W/4, 2C]: concatenate each 2 x 2
+    neighbourhood, LayerNorm, project. The rows before are in `order_in`, after in `order_out` (grid positions).
 
-    def __init__(self, dim: int):
+    An even grid's rows arrive in merge order (`merge_order`), each neighbourhood four consecutive rows: the
+    merging is a reshape, where [B, H, W, C] grids took a transpose. An odd grid is padded with zero tokens and
+    its neighbourhoods gathered (`merge_rows`).
+    """
+
+    def __init__(self, dim: int, resolution: tuple[int, int], order_in: torch.Tensor, order_out: torch.Tensor):
         super().__init__()
         self.norm = nn.LayerNorm(4 * dim)
         self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
+        padded = resolution[0] % 2 or resolution[1] % 2
+        rows = merge_rows(resolution, order_in, order_out) if padded else None
+        self.register_buffer("rows", rows, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, H, W, C = x.shape
-        if H % 2 or W % 2:
-            x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
-            H, W = x.shape[1:3]
-        # Neighbour order (0,0), (1,0), (0,1), (1,1) as (row, col): the original's cat([x0, x1, x2, x3]).
-        x = x.reshape(B, H // 2, 2, W // 2, 2, C).permute(0, 1, 3, 4, 2, 5).flatten(3)
-        return self.reduction(self.norm(x))
+        B, _, C = x.shape
+        if self.rows is not None:
+            x = F.pad(x, (0, 0, 0, 1)).index_select(1, self.rows)  # padding reads the zero row
+        return self.reduction(self.norm(x.reshape(B, -1, 4 * C)))
 
 
 class SwinTransformerStage(nn.Module):
-    """Optional patch merging, then `depth` blocks alternating regular and shifted windows."""
+    """Optional patch merging (from the previous stage's grid and order, `merged_from`), then `depth` blocks
+    alternating regular and shifted windows, on token rows of an H x W grid whose positions are `order`."""
 
-    def __init__(self, dim: int, resolution: tuple[int, int], depth: int, num_heads: int, window: int,
-                 downsample: bool, mlp_ratio: float, qkv_bias: bool, drop: float, attn_drop: float,
-                 drop_path: list[float]):
+    def __init__(self, dim: int, resolution: tuple[int, int], order: torch.Tensor, depth: int, num_heads: int,
+                 window: int, merged_from: tuple[tuple[int, int], torch.Tensor] | None, mlp_ratio: float,
+                 qkv_bias: bool, drop: float, attn_drop: float, drop_path: list[float]):
         super().__init__()
-        if downsample:
-            self.downsample = PatchMerging(dim // 2)
-            resolution = ((resolution[0] + 1) // 2, (resolution[1] + 1) // 2)
-        else:
-            self.downsample = nn.Identity()
+        self.downsample = PatchMerging(dim // 2, *merged_from, order) if merged_from else nn.Identity()
         self.resolution = resolution
         self.blocks = nn.Sequential(*[
-            SwinTransformerBlock(dim, resolution, num_heads, window, shift=0 if i % 2 == 0 else window // 2,
+            SwinTransformerBlock(dim, resolution, order, num_heads, window, shift=0 if i % 2 == 0 else window // 2,
                                  mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop, attn_drop=attn_drop,
                                  drop_path=drop_path[i])
             for i in range(depth)
         ])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, H, W, C] -> [B, H', W', C'], the blocks on token rows."""
-        x = self.downsample(x)
-        return self.blocks(x.flatten(1, 2)).view(x.shape[0], *self.resolution, -1)
+        """Token rows of the previous stage (or the patch embedding) -> this stage's."""
+        return self.blocks(self.downsample(x))
 
 
 class ClassifierHead(nn.Module):
@@ -265,17 +311,18 @@ class SwinTransformer(nn.Module):
         super().__init__()
         self.num_classes = num_classes
         self.window_size = window_size
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, norm=True)
+        grids = [(img_size // patch_size,) * 2]
+        for _ in depths[1:]:
+            grids.append(((grids[-1][0] + 1) // 2, (grids[-1][1] + 1) // 2))
+        orders = stage_orders(grids)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, norm=True, order=orders[0])
         rates = [drop_path_rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]
-        stages, resolution = [], self.patch_embed.grid_size
-        for i, depth in enumerate(depths):
-            stage = SwinTransformerStage(
-                embed_dim * 2**i, resolution, depth, num_heads[i], window_size, downsample=i > 0,
-                mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate,
-                drop_path=rates[sum(depths[:i]):sum(depths[:i + 1])])
-            stages.append(stage)
-            resolution = stage.resolution
-        self.layers = nn.Sequential(*stages)
+        self.layers = nn.Sequential(*[
+            SwinTransformerStage(
+                embed_dim * 2**i, grids[i], orders[i], depth, num_heads[i], window_size,
+                merged_from=(grids[i - 1], orders[i - 1]) if i else None, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+                drop=drop_rate, attn_drop=attn_drop_rate, drop_path=rates[sum(depths[:i]):sum(depths[:i + 1])])
+            for i, depth in enumerate(depths)])
         self.num_features = embed_dim * 2 ** (len(depths) - 1)
         self.norm = nn.LayerNorm(self.num_features)
         self.head = ClassifierHead(self.num_features, num_classes, drop_rate)
@@ -290,8 +337,9 @@ class SwinTransformer(nn.Module):
         init_weights(self.head.fc)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, 3, H, W] -> normalised last-stage tokens [B, H/32, W/32, C]."""
-        return self.norm(self.layers(self.patch_embed(x)))
+        """[B, 3, H, W] -> normalised last-stage tokens [B, H/32, W/32, C] (the last stage's rows are row-major)."""
+        x = self.norm(self.layers(self.patch_embed(x)))
+        return x.view(x.shape[0], *self.layers[-1].resolution, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.forward_features(x))
@@ -304,9 +352,9 @@ class SwinTransformer(nn.Module):
         that stage is a single window, so this is how much the average query attends to each token.
         """
         last = self.layers[-1]
-        x = last.blocks[:-1](last.downsample(self.layers[:-1](self.patch_embed(x))).flatten(1, 2))
+        x = last.blocks[:-1](last.downsample(self.layers[:-1](self.patch_embed(x))))
         x, received = last.blocks[-1](x, received=True)
-        return self.head(self.norm(x)), received.flatten(1, 2).transpose(1, 2)
+        return self.head(self.norm(x)), received.transpose(1, 2)
 
 
 def resize_relative_position_bias(table: torch.Tensor, new: int) -> torch.Tensor:

@@ -133,7 +133,7 @@ class VisionTransformer(nn.Module):
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] -> tokens [B, prefix + patches, D] with position embeddings; [CLS] (and dist) first."""
-        x = self.patch_embed(x).flatten(1, 2)
+        x = self.patch_embed(x)
         prefix = [self.cls_token] if self.dist_token is None else [self.cls_token, self.dist_token]
         x = torch.cat([t.expand(x.shape[0], -1, -1) for t in prefix] + [x], dim=1)
         return self.pos_drop(x + self.pos_embed)

@@ -72,8 +72,8 @@ def test_dynamic_batch_gives_the_same_per_item_outputs(repo, arch):
                 np.testing.assert_allclose(a, b[start:start + batch], atol=1e-5)
 
 
-SKIP_LAYER_NORMS = {"vit": 8, "deit": 8, "swin": 10}  # every LayerNorm after a residual sum: 2 a block (Swin:
-# not the first of a stage, which follows patch merging) and the final norm
+SKIP_LAYER_NORMS = {"vit": 8, "deit": 8, "swin": 12}  # every LayerNorm after a residual sum: 2 a block (Swin:
+# not the first of a stage, which follows patch merging, but the merging's own instead) and the final norm
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +85,18 @@ def fp16_repo(repo):
 
 
 def _residual_sums_into_layer_norms(graph: onnx.ModelProto) -> list[str]:
-    """LayerNormalization nodes fed by an Add of two computed tensors (a residual sum), left unfused."""
+    """LayerNormalization nodes fed by an Add of two computed tensors (a residual sum), left unfused; also through
+    a Reshape (Swin's patch merging)."""
     made = {out: n for n in graph.graph.node for out in n.output}
     constant = {i.name for i in graph.graph.initializer}
-    return [n.name for n in graph.graph.node if n.op_type == "LayerNormalization" and n.input[0] in made
-            and made[n.input[0]].op_type == "Add" and not constant & set(made[n.input[0]].input)]
+
+    def residual_sum(name: str) -> bool:
+        node = made.get(name)
+        if node is not None and node.op_type == "Reshape":
+            node = made.get(node.input[0])
+        return node is not None and node.op_type == "Add" and not constant & set(node.input)
+
+    return [n.name for n in graph.graph.node if n.op_type == "LayerNormalization" and residual_sum(n.input[0])]
 
 
 @pytest.mark.parametrize("arch", MICRO)
@@ -263,22 +270,29 @@ def test_masked_attention_is_written_out_with_the_same_answers_and_a_boolean_mas
     np.testing.assert_allclose(run["rewritten"], run["original"], atol=1e-6)
 
 
-@pytest.mark.parametrize("img_size", [96, 104, 16])  # 16 px: a last stage of one token, padded to 8 positions
-def test_swin_window_attention_as_one_multihead_attention_gives_the_same_answers(img_size, tmp_path):
-    """Every window's heads as one MultiHeadAttention with the masks as its attention bias, each window's 36
-    positions padded to 40: the same outputs as the graph unfused, shifted and padded windows included."""
+# 104 px: 26, 13, 7 tokens a side, so windows of 6 are padded and so is the second merging's grid (not a
+# reshape); 16 px: a last stage of one token, padded to 8 positions
+@pytest.mark.parametrize(("rewrite", "made"), [
+    # every window's heads as one MultiHeadAttention with the masks as its attention bias, each window's 36
+    # positions padded to 40; not the last block: its q and k give the map
+    ("window attention as MultiHeadAttention", {96: 5, 104: 5, 16: 5}),
+    # each merging that is a reshape: its residual sum moved after it (with the MLP's bias tiled)
+    ("sum before patch merging", {96: 2, 104: 1, 16: 2})])
+@pytest.mark.parametrize("img_size", [96, 104, 16])
+def test_swin_rewrites_give_the_same_answers(rewrite, made, img_size, tmp_path):
+    """Each Swin rewrite alone: the same outputs as the graph unfused, shifted and padded windows included, for
+    biases that are not zero."""
     model = with_biases(MICRO["swin"], img_size=img_size)
     images = np.random.default_rng(0).integers(0, 256, (2, img_size, img_size, 3), dtype=np.uint8)
     runs = {}
-    for name, without in (("unfused", tuple(REWRITES)),
-                          ("mha", tuple(r for r in REWRITES if r != "window attention as MultiHeadAttention"))):
+    for name, without in (("unfused", tuple(REWRITES)), ("rewritten", tuple(r for r in REWRITES if r != rewrite))):
         graph = export_program(MainGraph(export_form(model)), img_size)
-        made = fuse_for_ort(graph, without)
+        counts = fuse_for_ort(graph, without)
         save_graph(graph, tmp_path / f"{name}.onnx")
         runs[name] = ort.InferenceSession(tmp_path / f"{name}.onnx", providers=["CPUExecutionProvider"]).run(
             None, graph_inputs(images))
-    assert made == {"window attention as MultiHeadAttention": BLOCKS["swin"] - 1}  # not the last: its q, k give the map
-    for want, got in zip(runs["unfused"], runs["mha"]):
+    assert counts == {rewrite: made[img_size]}
+    for want, got in zip(runs["unfused"], runs["rewritten"]):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
