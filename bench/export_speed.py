@@ -7,6 +7,9 @@
                                                        # (fp16 as exported, and without its ORT fusions)
     python bench/export_speed.py --int8-variants       # also: per-channel and unsigned int8 weights
     python bench/export_speed.py --conv-patch-embed    # also: the graph with the patch embedding as a Conv
+    python bench/export_speed.py --against /tmp/base-cache   # also: the fp32 graphs another checkout exported
+        # (a graph change's A/B: git worktree add /tmp/base COMMIT; python /tmp/base/bench/export_speed.py
+        #  --cache /tmp/base-cache --rounds 1; then this, in the changed tree)
 
 All run the served graph (logits plus the attention outputs) from the same random weights, fed normalised
 float pixels (its `pixel_values` input, what torch gets too); ONNX Runtime at
@@ -56,7 +59,8 @@ def graph_path(cache: Path, name: str, precision: str) -> Path:
     return cache / f"{name}.uint8-input.{precision}.onnx"  # graphs with the images input (schema 2)
 
 
-def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool) -> tuple[dict, int]:
+def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool,
+             against: Path | None) -> tuple[dict, int]:
     """The callables to compare, each taking a float32 NCHW batch, and the model's input size."""
     torch.manual_seed(0)
     main = MainGraph(create_model(name))
@@ -75,6 +79,8 @@ def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool
                 for precision in ("fp32", "int8") for level, value in LEVELS.items()}
     sessions.update({f"ort {precision} all": ort_session(graph_path(cache, name, precision))
                      for precision in quantized[1:] + (["fp32-conv"] if conv_patch_embed else [])})
+    if against:
+        sessions["ort fp32 against all"] = ort_session(graph_path(against, name, "fp32"))
 
     size = main.model.spec.img_size
     no_images = torch.zeros(0, size, size, 3, dtype=torch.uint8)
@@ -199,6 +205,8 @@ def main() -> None:
     p.add_argument("--int8-variants", action="store_true", help="also time per-channel and u8u8 int8 graphs")
     p.add_argument("--conv-patch-embed", action="store_true",
                    help="also time the fp32 graph with its patch embedding as a strided Conv (before the MatMul)")
+    p.add_argument("--against", type=Path, metavar="CACHE",
+                   help="also time the fp32 graphs in another --cache (exported by another checkout)")
     args = p.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count())
@@ -208,7 +216,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for name in args.models:
-        calls, size = variants(name, args.cache, args.int8_variants, args.conv_patch_embed)
+        calls, size = variants(name, args.cache, args.int8_variants, args.conv_patch_embed, args.against)
         for batch in args.batches:
             med = bench(calls, batch, size, args.rounds, repeat=4 if batch == 1 else 1)
             for k, t in med.items():
