@@ -332,7 +332,8 @@ class SumBeforeRegrouping(RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, residual, product, bias, shape, scale, shift, regrouped, normed, **_) -> ir.Value:
-        tiled = _const(op, np.tile(_constant(bias), regrouped.shape[2] // len(_constant(bias))))
+        b = _constant(bias)
+        tiled = _const(op, np.tile(b, regrouped.shape[2] // len(b)))
         left, right = (_typed(op.Reshape(v, shape), regrouped) for v in (residual, product))
         total = _typed(op.Add(left, _typed(op.Add(right, tiled), regrouped)), regrouped)
         attributes = {name: attr.value for name, attr in normed.producer().attributes.items()}
