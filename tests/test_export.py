@@ -99,6 +99,18 @@ def _residual_sums_into_layer_norms(graph: onnx.ModelProto) -> list[str]:
     return [n.name for n in graph.graph.node if n.op_type == "LayerNormalization" and residual_sum(n.input[0])]
 
 
+def _computed_from_constants(graph: onnx.ModelProto) -> list[str]:
+    """Nodes whose inputs are all constants: what a session computes at load, or on every run where its CPU kernels
+    cannot (ONNX Runtime has no fp16 Add or Pad on the CPU)."""
+    constant = {i.name for i in graph.graph.initializer} | {""}
+    found = []
+    for node in graph.graph.node:  # in order: a node's inputs are made before it
+        if set(node.input) <= constant:
+            constant.update(node.output)
+            found += [] if node.op_type == "Constant" else [node.op_type]
+    return found
+
+
 @pytest.mark.parametrize("arch", MICRO)
 def test_fp16_graphs_carry_onnx_runtimes_fused_kernels_and_fp32_stays_standard(repo, fp16_repo, arch):
     fp32, fp16 = onnx.load(repo / arch / "model.onnx"), onnx.load(fp16_repo / arch / "model.onnx")
@@ -109,6 +121,7 @@ def test_fp16_graphs_carry_onnx_runtimes_fused_kernels_and_fp32_stays_standard(r
     assert m["op_counts"]["com.microsoft:SkipLayerNormalization"] == SKIP_LAYER_NORMS[arch]
     assert m["op_counts"]["com.microsoft:BiasGelu"] == BLOCKS[arch] and "Gelu" not in m["op_counts"]
     assert _residual_sums_into_layer_norms(fp16) == [] and "ReduceMean" not in m["op_counts"]
+    assert _computed_from_constants(fp16) == []  # Swin's masks folded at export: no fp16 Adds and Pads left to run
     # ORT's fused form: output 3 carries the sum on; 1 and 2 (statistics its CUDA kernel never makes) absent
     assert {tuple(n.output[1:3]) for n in fp16.graph.node if n.op_type == "SkipLayerNormalization"} == {("", "")}
     # every block's attention one MultiHeadAttention but the last (its q and k also give the attention map), which
@@ -277,7 +290,9 @@ def test_masked_attention_is_written_out_with_the_same_answers_and_a_boolean_mas
     # positions padded to 40; not the last block: its q and k give the map
     ("window attention as MultiHeadAttention", {96: 5, 104: 5, 16: 5}),
     # each merging that is a reshape: its residual sum moved after it (with the MLP's bias tiled)
-    ("sum before patch merging", {96: 2, 104: 1, 16: 2})])
+    ("sum before patch merging", {96: 2, 104: 1, 16: 2}),
+    # the masks' arithmetic (relative position bias plus the shift mask) that the exporter left, computed once
+    ("folded constants", {96: 10, 104: 14, 16: 0})])
 @pytest.mark.parametrize("img_size", [96, 104, 16])
 def test_swin_rewrites_give_the_same_answers(rewrite, made, img_size, tmp_path):
     """Each Swin rewrite alone: the same outputs as the graph unfused, shifted and padded windows included, for
