@@ -396,7 +396,7 @@ REWRITES = {"MultiHeadAttention": separate_qkv_attention.apply_to_model,
             "window attention as MultiHeadAttention": window_attention_as_mha.apply_to_model,
             "aligned keys": aligned_keys.apply_to_model,
             "masked attention as MatMuls": masked_attention_as_matmuls.apply_to_model,
-            "folded constants": fold_constant_subgraphs}
+            "folded constants": fold_constant_subgraphs}  # last: the rewrites above pad and expand constant masks
 
 
 def fuse_for_ort(graph: ir.Model, without: tuple[str, ...] = ()) -> dict[str, int]:

@@ -107,7 +107,8 @@ def _computed_from_constants(graph: onnx.ModelProto) -> list[str]:
     for node in graph.graph.node:  # in order: a node's inputs are made before it
         if set(node.input) <= constant:
             constant.update(node.output)
-            found += [] if node.op_type == "Constant" else [node.op_type]
+            if node.op_type != "Constant":
+                found.append(node.op_type)
     return found
 
 
