@@ -383,8 +383,7 @@ def fold_constant_subgraphs(graph: ir.Model) -> int:
         return sum(node.op_type != "Constant" for node in graph.graph)
 
     before = computed()
-    fold_constants(graph, input_size_limit=2 ** 62, output_size_limit=2 ** 62)
-    RemoveUnusedNodesPass()(graph)
+    fold_constants(graph, input_size_limit=2 ** 62, output_size_limit=2 ** 62)  # fuse_for_ort drops what is unused
     return before - computed()
 
 
