@@ -7,6 +7,7 @@
                                                        # (fp16 as exported, and without its ORT fusions)
     python bench/export_speed.py --int8-variants       # also: per-channel and unsigned int8 weights
     python bench/export_speed.py --conv-patch-embed    # also: the graph with the patch embedding as a Conv
+    python bench/export_speed.py --fused               # also: the fp32 graph with the fp16 graph's ORT fusions
     python bench/export_speed.py --against /tmp/base-cache   # also: the fp32 graphs another checkout exported
         # (a graph change's A/B: git worktree add /tmp/base COMMIT; python /tmp/base/bench/export_speed.py
         #  --cache /tmp/base-cache --rounds 1; then this, in the changed tree)
@@ -59,7 +60,7 @@ def graph_path(cache: Path, name: str, precision: str) -> Path:
     return cache / f"{name}.uint8-input.{precision}.onnx"  # graphs with the images input (schema 2)
 
 
-def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool,
+def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool, fused: bool,
              against: Path | None) -> tuple[dict, int]:
     """The callables to compare, each taking a float32 NCHW batch, and the model's input size."""
     torch.manual_seed(0)
@@ -70,6 +71,10 @@ def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool
         export_graph(MainGraph(export_form(main.model)), main.model.spec.img_size, fp32)  # as `python -m export`
     if conv_patch_embed and not graph_path(cache, name, "fp32-conv").exists():
         export_graph(main, main.model.spec.img_size, graph_path(cache, name, "fp32-conv"))
+    if fused and not graph_path(cache, name, "fp32-fused").exists():
+        graph = export_program(MainGraph(export_form(main.model)), main.model.spec.img_size)
+        fuse_for_ort(graph)
+        save_graph(graph, graph_path(cache, name, "fp32-fused"))
     quantized = list(QUANTIZED) if int8_variants else ["int8"]
     for precision in quantized:
         if not graph_path(cache, name, precision).exists():
@@ -77,8 +82,8 @@ def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool
     # fp32 and int8 at every optimisation level; the other int8 variants at the level the service uses
     sessions = {f"ort {precision} {level}": ort_session(graph_path(cache, name, precision), value)
                 for precision in ("fp32", "int8") for level, value in LEVELS.items()}
-    sessions.update({f"ort {precision} all": ort_session(graph_path(cache, name, precision))
-                     for precision in quantized[1:] + (["fp32-conv"] if conv_patch_embed else [])})
+    extra = quantized[1:] + (["fp32-conv"] if conv_patch_embed else []) + (["fp32-fused"] if fused else [])
+    sessions.update({f"ort {precision} all": ort_session(graph_path(cache, name, precision)) for precision in extra})
     if against:
         sessions["ort fp32 against all"] = ort_session(graph_path(against, name, "fp32"))
 
@@ -205,6 +210,8 @@ def main() -> None:
     p.add_argument("--int8-variants", action="store_true", help="also time per-channel and u8u8 int8 graphs")
     p.add_argument("--conv-patch-embed", action="store_true",
                    help="also time the fp32 graph with its patch embedding as a strided Conv (before the MatMul)")
+    p.add_argument("--fused", action="store_true",
+                   help="also time the fp32 graph with fuse_for_ort's rewrites (the fp16 graph's, before conversion)")
     p.add_argument("--against", type=Path, metavar="CACHE",
                    help="also time the fp32 graphs in another --cache (exported by another checkout)")
     args = p.parse_args()
@@ -216,7 +223,8 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for name in args.models:
-        calls, size = variants(name, args.cache, args.int8_variants, args.conv_patch_embed, args.against)
+        calls, size = variants(name, args.cache, args.int8_variants, args.conv_patch_embed, args.fused,
+                                  args.against)
         for batch in args.batches:
             med = bench(calls, batch, size, args.rounds, repeat=4 if batch == 1 else 1)
             for k, t in med.items():
