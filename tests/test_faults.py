@@ -11,7 +11,8 @@ import httpx
 import onnx
 import pytest
 from onnx import TensorProto, helper
-from service_process import (ROOT, direct_probabilities, leave_mid_request, metric, photo_bytes, process_metrics,
+from prometheus_client.parser import text_string_to_metric_families
+from service_process import (ROOT, direct_probabilities, leave_mid_request, photo_bytes, process_metrics,
                              running_service)
 
 from repository import sha256
@@ -111,16 +112,24 @@ def test_a_batch_onnx_runtime_fails_on_fails_only_its_own_requests(url):
 
 
 def test_clients_that_leave_mid_upload_or_mid_queue_leave_nothing_behind(url):
-    def open_fds() -> float:
-        return process_metrics(httpx.get(f"{url}/metrics", timeout=10).text)["process_open_fds"]
+    def figures() -> tuple[float, float, float]:
+        """/classify requests finished (any status), images computed and images queued, for shapes-vit."""
+        families = {f.name: f.samples for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+        finished = sum(s.value for s in families["vitserve_requests"]
+                       if s.name == "vitserve_requests_total" and s.labels["route"] == "/classify")
+        images, queued = (next((s.value for s in families[name] if s.labels.get("model") == "shapes-vit"), 0.0)
+                          for name in ("vitserve_images", "vitserve_queue_depth"))  # 0 until shapes-vit has run
+        return finished, images, queued
 
-    def images_done() -> float:
-        return metric(httpx.get(f"{url}/metrics", timeout=10).text, "vitserve_images_total", model="shapes-vit")
-
-    before, computed = open_fds(), images_done()
+    before = process_metrics(httpx.get(f"{url}/metrics").text)["process_open_fds"]
+    finished, computed, _ = figures()
     leave_mid_request(url, "shapes-vit", JPEG, images=32, clients=10)
-    time.sleep(1)
-    assert images_done() - computed < 320 / 2  # most of the 320 images were dropped, not run for nobody
+    deadline = time.monotonic() + 60
+    while (now := figures())[0] < finished + 20 or now[2] > 0:  # every one of the 20 requests over, none queued
+        assert time.monotonic() < deadline, f"abandoned requests still in the service: {now}"
+        time.sleep(0.2)
+    assert now[1] - computed < 320 / 2  # most of the 320 images were dropped, not run for nobody
     ok = httpx.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)}, params={"model": "shapes-vit"}, timeout=30)
     assert ok.status_code == 200, ok.text
-    assert open_fds() <= before + 2  # no connection, file or arena left open
+    assert figures()[1] == now[1] + 1  # the count that held the line is live
+    assert process_metrics(httpx.get(f"{url}/metrics").text)["process_open_fds"] <= before + 2  # nothing left open

@@ -113,6 +113,8 @@ def test_jpeg_bytes_cross_to_the_inference_process_beside_their_records(tmp_path
                 if worker.status()["shapes-deit"].decode == "gpu":
                     break
                 await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the decoder's status never reached the worker")
             with worker.records("shapes-deit", "jpeg", 2) as records:
                 assert "image" not in records.dtype.names
                 await worker.run("shapes-deit", records, 2, [jpeg, jpeg])

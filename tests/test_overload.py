@@ -7,9 +7,9 @@ import time
 import httpx
 import numpy as np
 import pytest
-from service_process import ROOT, direct_probabilities, photo_bytes, process_metrics, running_service
+from service_process import ROOT, direct_probabilities, metric, photo_bytes, process_metrics, running_service
 
-CLIENTS, SECONDS, FILES = 48, 8.0, 4  # 192 images wanted at once against a queue of 32 per model
+CLIENTS, SECONDS, FILES, QUEUE = 48, 8.0, 4, 32  # 192 images wanted at once against a queue of 32 per model
 JPEG, FACE = photo_bytes("chelsea", "JPEG"), photo_bytes("astronaut", "JPEG")
 TIMEOUT_S = 10  # the server's request timeout: an accepted request is answered within it, or refused
 
@@ -18,15 +18,15 @@ TIMEOUT_S = 10  # the server's request timeout: an accepted request is answered 
 # again; until that is understood it runs with `make test-slow`, not in CI.
 @pytest.fixture(scope="module", params=["thread", pytest.param("process", marks=pytest.mark.slow)])
 def url(request):
-    with running_service(backend=request.param, workers=2, queue_limit=32, max_batch_size=8,
+    with running_service(backend=request.param, workers=2, queue_limit=QUEUE, max_batch_size=8,
                          request_timeout_s=TIMEOUT_S) as base:
         yield base
 
 
-async def flood(url: str) -> tuple[list[tuple[str, float, httpx.Response]], list[float]]:
+async def flood(url: str) -> tuple[list[tuple[str, float, httpx.Response]], list[float], list[float]]:
     """Each client sends back to back until the time is up, alternating /classify (FILES photos) and /expression;
-    RSS is sampled meanwhile."""
-    answers, rss, end = [], [], time.monotonic() + SECONDS
+    RSS and shapes-deit's queue depth are sampled meanwhile."""
+    answers, rss, depth, end = [], [], [], time.monotonic() + SECONDS
     limits = httpx.Limits(max_connections=CLIENTS + 1)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
         async def one_client(i: int):
@@ -39,14 +39,15 @@ async def flood(url: str) -> tuple[list[tuple[str, float, httpx.Response]], list
                 r = await client.post(f"{url}{route}", files=files, params=params)
                 answers.append((route, time.monotonic() - start, r))
 
-        async def sample_rss():
+        async def sample():
             while time.monotonic() < end:
-                rss.append(process_metrics((await client.get(f"{url}/metrics")).text)
-                           ["process_resident_memory_bytes"])
+                text = (await client.get(f"{url}/metrics")).text
+                rss.append(process_metrics(text)["process_resident_memory_bytes"])
+                depth.append(metric(text, "vitserve_queue_depth", model="shapes-deit"))
                 await asyncio.sleep(0.5)
 
-        await asyncio.gather(sample_rss(), *(one_client(i) for i in range(CLIENTS)))
-    return answers, rss
+        await asyncio.gather(sample(), *(one_client(i) for i in range(CLIENTS)))
+    return answers, rss, depth
 
 
 def test_a_flood_is_shed_with_503_and_every_accepted_request_is_answered_right(url):
@@ -54,7 +55,7 @@ def test_a_flood_is_shed_with_503_and_every_accepted_request_is_answered_right(u
     calm_face = httpx.post(f"{url}/expression", files={"file": ("face.jpg", FACE)}, timeout=30).json()["faces"]
     rss_before = process_metrics(httpx.get(f"{url}/metrics").text)["process_resident_memory_bytes"]
 
-    answers, rss = asyncio.run(flood(url))
+    answers, rss, depth = asyncio.run(flood(url))
 
     statuses = {r.status_code for _, _, r in answers}
     assert statuses <= {200, 503}, statuses
@@ -75,9 +76,10 @@ def test_a_flood_is_shed_with_503_and_every_accepted_request_is_answered_right(u
     print(f"\n{len(answers)} requests in {SECONDS:.0f} s from {CLIENTS} clients: {len(accepted)} answered "
           f"({sum(route == '/expression' for route, _, _ in accepted)} /expression), {len(refused)} refused with "
           f"503; accepted p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms; RSS {rss_before / 2**20:.0f} MiB "
-          f"before, peak {max(rss) / 2**20:.0f} MiB")
+          f"before, peak {max(rss) / 2**20:.0f} MiB; shapes-deit's queue at most {max(depth):.0f} images")
     assert len(accepted) >= CLIENTS and {route for route, _, _ in accepted} == {"/classify", "/expression"}
     assert p99 < TIMEOUT_S
+    assert max(depth) <= QUEUE  # the queue never held more than its limit
     assert growth < 300 * 2**20  # the queue bounds what is held: 32 images per model, not what was sent
     # (the process backend's figure sums its supervisor, workers and inference process)
 

@@ -78,7 +78,13 @@ def test_non_strict_keeps_missing_keys_but_checks_shapes(tmp_path):
     save_file(headless, tmp_path / "headless.safetensors")
     with pytest.raises(WeightsError, match="missing key 'head.fc.weight'"):
         load_weights(models.create_model("swin_micro_patch4_window6_96"), tmp_path / "headless.safetensors")
-    load_weights(models.create_model("swin_micro_patch4_window6_96"), tmp_path / "headless.safetensors", strict=False)
+    model = models.create_model("swin_micro_patch4_window6_96")
+    initial_head = model.head.fc.weight.detach().clone()
+    load_weights(model, tmp_path / "headless.safetensors", strict=False)
+    assert torch.equal(model.head.fc.weight, initial_head) and torch.equal(model.norm.weight, headless["norm.weight"])
+    save_file({**headless, "norm.weight": torch.ones(3)}, tmp_path / "misfit.safetensors")
+    with pytest.raises(WeightsError, match="'norm.weight' has shape"):
+        load_weights(model, tmp_path / "misfit.safetensors", strict=False)
 
 
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
@@ -118,8 +124,16 @@ def test_missing_file_and_non_state_dict(tmp_path):
 
 
 def test_swin_bias_table_is_resized_for_another_window(tmp_path):
-    save_file(timm_weights("swin_micro_patch4_window6_96"), tmp_path / "w6.safetensors")
+    weights = timm_weights("swin_micro_patch4_window6_96")
+    # each head's table one constant (its number): any interpolation keeps a constant, a mix-up of heads does not
+    heads = {k: torch.arange(1.0, v.shape[1] + 1).expand_as(v).contiguous() for k, v in weights.items()
+             if k.endswith("relative_position_bias_table")}
+    save_file({**weights, **heads}, tmp_path / "w6.safetensors")
     model = models.create_model("swin_micro_patch4_window6_96", window_size=4)
     load_weights(model, tmp_path / "w6.safetensors")
-    assert model.layers[0].blocks[0].attn.relative_position_bias_table.shape == (49, 2)
+    tables = {k: v for k, v in model.state_dict().items() if k in heads}
+    assert tables.keys() == heads.keys()
+    assert tables["layers.0.blocks.0.attn.relative_position_bias_table"].shape == (49, 2)
+    for table in tables.values():
+        torch.testing.assert_close(table, torch.arange(1.0, table.shape[1] + 1).expand(49, -1), atol=1e-5, rtol=0)
     assert torch.isfinite(logits(model)).all()
