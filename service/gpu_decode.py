@@ -8,6 +8,8 @@ intermediate and its draft-mode JPEG reduction. Optional: it needs a CUDA device
 nvImageCodec refuses.
 """
 import io
+import logging
+import threading
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -15,6 +17,8 @@ import numpy as np
 from PIL import Image
 
 from repository import InputPolicy
+
+log = logging.getLogger("vitserve")
 
 # Pillow's resampling filters: (support, kernel)
 _FILTERS = {
@@ -83,7 +87,9 @@ class GpuDecoder:
         self.policy, self.cupy = policy, cupy
         # nvJPEG's CUDA decoder counts as HYBRID_CPU_GPU; without CPU_ONLY, what the GPU cannot decode is None
         backends = [nvimgcodec.Backend(nvimgcodec.GPU_ONLY), nvimgcodec.Backend(nvimgcodec.HYBRID_CPU_GPU)]
-        self.decoder = nvimgcodec.Decoder(device_id=device_id, backends=backends)
+        # fancy upsampling: the chroma interpolated as libjpeg-turbo (Pillow) does by default, not repeated
+        self.decoder = nvimgcodec.Decoder(device_id=device_id, backends=backends, options=":fancy_upsampling=1")
+        self.lock = threading.Lock()  # a Decoder keeps each call's state: the two inference threads take turns
         self.params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.RGB, apply_exif_orientation=True,
                                               allow_any_depth=False)
         probe = io.BytesIO()
@@ -104,7 +110,8 @@ class GpuDecoder:
         cp = self.cupy
         h, w = self.policy.size
         out = cp.zeros((len(jpegs), h, w, 3), cp.uint8)
-        images = self.decoder.decode(jpegs, params=self.params)
+        with self.lock:
+            images = self.decoder.decode(jpegs, params=self.params)
         if len(images) != len(jpegs):  # images over nvImageCodec's size limit can drop out of the list
             images = [None] * len(jpegs)
         errors = {}
@@ -133,5 +140,7 @@ def gpu_decoder(policy: InputPolicy) -> "GpuDecoder | None":
     """A GpuDecoder where CUDA, nvImageCodec and CuPy all work, else None."""
     try:
         return GpuDecoder(policy)
-    except Exception:  # noqa: BLE001 - any missing piece means: decode on the CPU
+    except Exception as e:  # noqa: BLE001 - any missing piece means: decode on the CPU
+        log.warning("JPEGs are decoded on the CPU: decoding on the GPU needs nvImageCodec and CuPy (the gpu extra) "
+                    "and they are not usable here (%s: %s)", type(e).__name__, e)
         return None

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -127,17 +128,25 @@ def pinned_empty() -> Callable[[tuple[int, ...], type], np.ndarray] | None:
 class CudaGraph:
     """A graph for exactly `batch` images (and no float pixels), replayed as a CUDA graph. Its batch dimensions
     are fixed at load, so ONNX Runtime folds every shape computation away and nothing is left for the CPU (a
-    capture needs that); its input and outputs lie at fixed GPU addresses, as a replay needs. One run at a time
-    (two inference threads share it)."""
+    capture needs that); its input and outputs lie at fixed GPU addresses, as a replay needs.
+
+    Every run, the capture and each replay, happens on one thread of its own: ONNX Runtime keeps a CUDA graph per
+    calling thread, so a second inference thread would capture it again while serving, in CUDA's global capture
+    mode, where another thread's work on the GPU fails the capture. Its thread also makes the runs one at a time."""
 
     def __init__(self, path: Path, session: ort.InferenceSession, inputs: tuple[str, str], batch: int,
                  tf32: bool):
+        self.batch = batch
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"cuda-graph-{batch}")
+        self.thread.submit(self._capture, path, session, inputs, tf32).result()
+
+    def _capture(self, path: Path, session: ort.InferenceSession, inputs: tuple[str, str], tf32: bool) -> None:
+        batch = self.batch
         images, tensors = (next(i for i in session.get_inputs() if i.name == name) for name in inputs)
         dims = {images.shape[0]: batch, tensors.shape[0]: 0}
         self.session = open_session(path, [CUDA], tf32=tf32, cuda_graph_dims=dims)
         if self.session.get_providers()[0] != CUDA:
             raise RuntimeError("the graph did not open on CUDA")
-        self.batch, self.lock = batch, threading.Lock()
         self.binding = self.session.io_binding()
         self.images = ort.OrtValue.ortvalue_from_numpy(np.zeros([batch, *images.shape[1:]], np.uint8), "cuda", 0)
         self.binding.bind_ortvalue_input(images.name, self.images)
@@ -152,15 +161,17 @@ class CudaGraph:
 
     def run(self, images: np.ndarray) -> list[np.ndarray]:
         """Outputs for up to `batch` images, in the session's output order."""
+        return self.thread.submit(self._replay, images).result()
+
+    def _replay(self, images: np.ndarray) -> list[np.ndarray]:
         count = len(images)
         padded = images
         if count < self.batch:
             padded = np.zeros((self.batch, *images.shape[1:]), np.uint8)
             padded[:count] = images
-        with self.lock:
-            self.images.update_inplace(padded)
-            self.session.run_with_iobinding(self.binding)
-            return [value.numpy()[:count] for value in self.outputs]
+        self.images.update_inplace(padded)
+        self.session.run_with_iobinding(self.binding)
+        return [value.numpy()[:count] for value in self.outputs]
 
 
 class Runner:

@@ -208,7 +208,8 @@ def test_a_large_uploads_map_is_bounded_in_pixels(url):
         assert Image.open(io.BytesIO(r.content)).size == (side, round(side * 2 / 3))
 
 
-def test_cache_is_bounded_and_old_ids_expire_with_a_clear_404(url):
+def test_cache_is_bounded_and_evicted_ids_get_a_clear_404(url):
+    # the two-item cache drops the oldest id; expiry by age is test_service_units.py's
     jpeg = photo_bytes("coffee", "JPEG")
     first, second, third = (classify_with_attention(url, jpeg) for _ in range(3))
     gone = httpx.get(f"{url}/attention-map", params={"id": first})

@@ -59,6 +59,22 @@ def test_small_batches_replayed_as_cuda_graphs_answer_as_the_plain_session():
                 np.testing.assert_allclose(got[key], want[key], atol=1e-4, err_msg=f"{name} {key} batch {count}")
 
 
+def test_cuda_graphs_serve_both_inference_threads_beside_plain_runs():
+    """As the service's two inference threads run them: small batches replayed (each graph captured and replayed
+    on a thread of its own) while the other thread runs larger batches plainly; every answer the CPU's."""
+    inputs, path = ("images", "pixel_values"), REPO / "shapes-vit" / "model.onnx"
+    images = np.random.default_rng(0).integers(0, 256, (16, 96, 96, 3), np.uint8)
+    no_tensors = np.zeros((0, 3, 96, 96), np.float32)
+    want = Runner(path, inputs, [CPU]).run(images, no_tensors)
+    graphs = Runner(path, inputs, [CUDA], cuda_graph_max_batch=2)
+    counts = [1, 16, 2, 9, 1, 2] * 10
+    with ThreadPoolExecutor(2) as threads:
+        answers = list(threads.map(lambda count: graphs.run(images[:count], no_tensors), counts))
+    for count, got in zip(counts, answers):
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key][:count], atol=1e-4, err_msg=f"{key} batch {count}")
+
+
 def test_batches_are_gathered_in_page_locked_memory_one_buffer_per_inference_thread():
     cupy = pytest.importorskip("cupy", reason="page-locked batch buffers need CuPy (the `gpu` extra)")
     runner = Runner(REPO / "shapes-vit" / "model.onnx", ("images", "pixel_values"), [CUDA])

@@ -62,7 +62,8 @@ class HostDecoder:
 
 
 def settings(**kw) -> Settings:
-    return Settings(model_repository=REPO, warmup_runs=0, **kw)
+    # the host decoder stands in for nvImageCodec, which a GPU host would otherwise give every model
+    return Settings(model_repository=REPO, warmup_runs=0, gpu_decode=False, **kw)
 
 
 def test_jpegs_decoded_with_their_batch_give_the_cpu_paths_answers_and_a_bad_one_fails_alone():

@@ -68,25 +68,25 @@ class LocalBackend:
             if plan.error:
                 self._fail(plan.name, plan.error)
         graphs = {p.graph: p for p in self.plans.values() if not p.error}
+        names = {graph: [p.name for p in self.plans.values() if p.graph == graph and not p.error] for graph in graphs}
+        # Every graph opens (and captures its CUDA graphs) before any batch runs: CUDA's global capture mode, the
+        # one ONNX Runtime uses, fails a capture while another thread works on the GPU.
         for graph, plan in graphs.items():
-            names = [p.name for p in self.plans.values() if p.graph == graph and not p.error]
-            runner_entry = self._by_name[graph]
             try:
-                runner = await loop.run_in_executor(self.inference, self._open, runner_entry, plan)
+                self.runners[graph] = await loop.run_in_executor(self.inference, self._open, self._by_name[graph], plan)
             except Exception as e:  # one broken model must not keep the others from serving
-                for name in names:
+                for name in names[graph]:
                     self._fail(name, str(e))
-                continue
-            self.runners[graph] = runner
+        for graph, runner in self.runners.items():
             if runner.provider == CUDA and self.settings.gpu_decode:
                 from ..gpu_decode import gpu_decoder  # CuPy and nvImageCodec stay unimported on a CPU host
-                if (decoder := await loop.run_in_executor(self.inference, gpu_decoder, runner_entry.policy)):
+                if (decoder := await loop.run_in_executor(self.inference, gpu_decoder, self._by_name[graph].policy)):
                     self.use_jpeg_decoder(graph, decoder)
             self.batchers[graph] = Batcher(
                 graph, self._run_batch(graph), self.inference, self.metrics, self.settings.max_batch_size,
                 self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency)
             self.batchers[graph].start()
-            for name in names:
+            for name in names[graph]:
                 self._ready(name, runner.provider)
 
     def _open(self, entry: ModelEntry, plan: Plan) -> Runner:
