@@ -7,15 +7,18 @@ BIN := $(VENV)/bin
 
 # RUNTIME=cpu (plain onnxruntime) or RUNTIME=gpu (onnxruntime-gpu with CUDA 13, cuDNN 9 and GPU decoding).
 # The two share a module name and break each other, so the other one goes first.
-RUNTIME ?= cpu
+# The default is what .venv already has (cpu in a new checkout): naming the other one swaps it.
+RUNTIME ?= $(shell cat $(VENV)/.runtime 2>/dev/null || echo cpu)
 OTHER_ORT := $(if $(filter gpu,$(RUNTIME)),onnxruntime,onnxruntime-gpu)
-$(VENV)/.installed: pyproject.toml requirements.lock
+$(VENV)/.installed-$(RUNTIME): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip uninstall --quiet --yes $(OTHER_ORT) 2>/dev/null || true
 	$(BIN)/pip install --quiet --constraint requirements.lock --editable '.[$(RUNTIME),train,test,loadtest,ray]'
+	rm -f $(VENV)/.installed*
+	echo $(RUNTIME) > $(VENV)/.runtime
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed-$(RUNTIME)
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -3,9 +3,9 @@
 nvImageCodec decodes a batch of JPEGs into device images; each is then resized and centre-cropped by two matrix
 products whose weights are Pillow's own resampling coefficients (its filters, widened by the scale when
 reducing), so the model sees what the CPU path would give it, give or take the rounding of Pillow's 8-bit
-intermediate and its draft-mode JPEG reduction. Optional: it needs a CUDA device, nvImageCodec and CuPy
-(`pip install -e '.[gpu]'`); where any is missing the service decodes with Pillow, as it does for every image
-nvImageCodec refuses.
+intermediate and its draft-mode JPEG reduction. Optional: it needs a CUDA device, nvImageCodec and CuPy (the
+gpu extra: `make install RUNTIME=gpu`); where any is missing the service decodes with Pillow, as it does for
+every image nvImageCodec refuses.
 """
 import io
 import logging

@@ -117,14 +117,16 @@ def test_without_opencvs_face_cascade_the_service_serves_and_face_detection_answ
 
 
 def test_every_upload_route_treats_missing_and_repeated_images_alike():
-    settings = Settings(model_repository=REPO, warmup_runs=0)
+    settings = Settings(model_repository=REPO, warmup_runs=0, max_files=2)
     app = create_app(settings, LocalBackend(settings, Metrics()), metrics=Metrics())
     routes = ["/classify", "/expression", "/attention-map"]
     two = [("file", ("a.jpg", JPEG)), ("file", ("b.jpg", JPEG))]
     answers = asyncio.run(call(app, [("POST", route, {}) for route in routes]
-                               + [("POST", route, {"files": two}) for route in routes]))
+                               + [("POST", route, {"files": two}) for route in routes]
+                               + [("POST", "/classify", {"files": [*two, ("files", ("c.jpg", JPEG))]})]))
     for r in answers[:3]:  # nothing sent: the same 400 everywhere
         assert r.status_code == 400 and r.json()["error"]["code"] == "no_image", r.text
     assert answers[3].status_code == 200 and len(answers[3].json()["results"]) == 2  # /classify: two items
-    for r in answers[4:]:  # one-image routes: a second image is an error, not silently dropped
+    for r in answers[4:6]:  # one-image routes: a second image is an error, not silently dropped
         assert r.status_code == 400 and r.json()["error"]["code"] == "one_image", r.text
+    assert answers[6].status_code == 413 and answers[6].json()["error"]["code"] == "too_many_files", answers[6].text

@@ -26,6 +26,7 @@ def test_compose_file_follows_the_compose_specification_and_reserves_the_gpu():
         assert "/health/ready" in " ".join(service["healthcheck"]["test"])
         assert all(key.startswith("VITSERVE_") and value.startswith(f"${{{key}:-")
                    for key, value in service["environment"].items())  # every setting from the environment
+    assert cpu["environment"].keys() == gpu["environment"].keys()  # the same settings, other defaults
 
 
 def test_the_dockerfile_builds_serving_only_images_from_the_lock_as_a_numeric_user():

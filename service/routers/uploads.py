@@ -56,7 +56,7 @@ async def read_images(request: Request, fields: tuple[str, ...], max_files: int)
     if not images:
         raise BadInput(f"send an image as the multipart field '{fields[0]}'"
                        + (f" (or several as '{fields[1]}')" if len(fields) > 1 else ""), "no_image")
-    if max_files == 1 and len(images) > 1:
+    if len(fields) == 1 and len(images) > 1:  # a route with no field for several images takes one
         raise BadInput(f"{len(images)} '{fields[0]}' parts; this route takes one image per request", "one_image")
     if len(images) > max_files:
         raise TooLarge(f"{len(images)} images in one request; the limit is {max_files}", "too_many_files")
