@@ -91,9 +91,11 @@ def _session(path: Path, providers: list[str]) -> ort.InferenceSession:
     it fails to start, so ask quietly and look at what the session got.
     """
     wanted = [p for p in providers if p in ort.get_available_providers()] + ["CPUExecutionProvider"]
+    options = ort.SessionOptions()
+    options.log_severity_level = 2  # the session's own warnings show; ORT reports a missing CUDA on its default logger
     ort.set_default_logger_severity(4)  # a missing CUDA is expected here, not an error
     try:
-        return ort.InferenceSession(str(path), providers=list(dict.fromkeys(wanted)))
+        return ort.InferenceSession(str(path), options, providers=list(dict.fromkeys(wanted)))
     finally:
         ort.set_default_logger_severity(2)
 

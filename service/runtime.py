@@ -2,9 +2,9 @@
 
 onnxruntime-gpu lists the CUDA provider even on hosts without CUDA 13 / cuDNN 9, and asking for it there
 logs a raw loader error. So the device is chosen once at start-up, by opening one graph on CUDA with ORT's
-logging muted and looking at what the session got; every model then opens on that device. CUDA and cuDNN
-installed from PyPI (the `gpu` extra, the GPU image) live in site-packages, outside the loader's search path:
-they are loaded first.
+default logger muted (sessions keep their own warnings) and looking at what the session got; every model then
+opens on that device. CUDA and cuDNN installed from PyPI (the `gpu` extra, the GPU image) live in site-packages,
+outside the loader's search path: they are loaded first.
 On CUDA, a model `NAME` with an fp16 sibling `NAME-fp16` runs the sibling's graph (one session for both names);
 fp16 graphs are not served on the CPU, and graphs made for the CPU alone (int8) stay on it.
 Small batches of images on CUDA can be replayed as CUDA graphs (`CudaGraph`), which saves the launch of every
@@ -41,6 +41,7 @@ def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: 
     options.intra_op_num_threads = threads or os.cpu_count() or 1
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_wait else "0")
+    options.log_severity_level = 2  # the session's own warnings show; only the default logger is muted below
     cuda = {"use_tf32": str(int(tf32))}
     if cuda_graph_dims:
         cuda["enable_cuda_graph"] = "1"
@@ -48,7 +49,8 @@ def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: 
             options.add_free_dimension_override_by_name(name, value)
     wanted = list(dict.fromkeys([p for p in providers if p in ort.get_available_providers()] + [CPU]))
     configured = [(p, cuda) if p == CUDA else p for p in wanted]
-    ort.set_default_logger_severity(4)  # a provider that cannot start is expected here, not an error
+    # a provider that cannot start is expected here, not an error: ORT reports that on its default logger
+    ort.set_default_logger_severity(4)
     try:
         return ort.InferenceSession(str(path), options, providers=configured)
     finally:

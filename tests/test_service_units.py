@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from PIL import Image
@@ -25,7 +26,7 @@ from service.decode import decode, model_input
 from service.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
 from service.metrics import Metrics
 from service.records import Part, host_inputs, record_dtype, top_k, write_results
-from service.runtime import CPU, CUDA, Runner, graph_batches, serving_plan
+from service.runtime import CPU, CUDA, Runner, graph_batches, open_session, serving_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
@@ -349,6 +350,19 @@ def test_cuda_graphs_come_in_powers_of_two_and_leave_the_cpu_alone():
     images[:] = 0
     logits = runner.run(images, np.zeros((0, 3, 96, 96), np.float32))["logits"]
     assert logits.shape == (3, 6)
+
+
+def test_a_session_shows_its_own_warnings(tmp_path, capfd):
+    """Only ORT's default logger is muted while a session opens (it reports providers that cannot start): the
+    session's warnings, such as CPU-placed nodes on a GPU host, still reach the log."""
+    weight = onnx.numpy_helper.from_array(np.ones(2, np.float32), "w")
+    vector = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2]) for n in "xwy"]
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Add", ["x", "w"], ["y"])], "g", vector[:2], vector[2:],
+                                   [weight])  # an initializer that is also an input: ORT warns that it is no constant
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8),
+              tmp_path / "m.onnx")
+    open_session(tmp_path / "m.onnx", [CPU])
+    assert "Initializer w appears in graph inputs" in capfd.readouterr().err
 
 
 # -- the attention cache -----------------------------------------------------------------------------------------
