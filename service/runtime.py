@@ -66,7 +66,8 @@ def choose_device(entries: list[ModelEntry], providers: list[str] | None) -> str
         smallest = min(entries, key=lambda e: e.path().stat().st_size)
         device = open_session(smallest.path(), [CUDA], threads=1).get_providers()[0]
         if device != CUDA:
-            log.warning("CUDA is not usable on this host (onnxruntime-gpu needs CUDA 13 and cuDNN 9)")
+            log.warning("CUDA is not usable on this host: no NVIDIA GPU and driver, or no CUDA 13 and cuDNN 9 "
+                        "for onnxruntime-gpu")
     log.info("serving on %s (ONNX Runtime %s, providers built in: %s)", device, ort.__version__,
              ", ".join(ort.get_available_providers()))
     return device
