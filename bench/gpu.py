@@ -29,6 +29,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -42,14 +43,14 @@ from skimage import data as photos
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from repository import InputPolicy, read_entry  # noqa: E402
-from service.decode import decode, model_input  # noqa: E402
-from service.loadtest import classify_requests, run_level_processes, v2_requests  # noqa: E402
-from service.runtime import CPU, CUDA, Runner, choose_device  # noqa: E402
 from service_process import running_service  # noqa: E402
 
 from bench.export_speed import fp16_graph  # noqa: E402
 from export.fusion import REWRITES  # noqa: E402
+from repository import InputPolicy, read_entry  # noqa: E402
+from service.decode import decode, model_input  # noqa: E402
+from service.loadtest import classify_requests, run_level_processes, v2_requests  # noqa: E402
+from service.runtime import CPU, CUDA, Runner, choose_device, pinned_empty  # noqa: E402
 
 CUDA_GRAPH_MAX_BATCH = 8  # a CUDA graph saves kernel launches, which only small batches notice
 # the CUDA provider's `sdpa_kernel` option: which attention kernel ORT must use (0, its default, picks one)
@@ -85,9 +86,10 @@ def median_rates(calls: dict, batch: int, rounds: int, seconds: float) -> dict[s
 
 def ort_on_device(folder: Path, batch: int, graph: Path | None = None, sdpa_kernel: int = 0):
     """One run with the uint8 input and every output resident on the GPU (`graph`: another graph for the same
-    inputs and outputs; `sdpa_kernel`: the CUDA provider's attention kernel forced, SDPA_KERNELS)."""
+    inputs and outputs; `sdpa_kernel`: the CUDA provider's attention kernel forced, SDPA_KERNELS). fp32 math
+    without TF32, as the service's default (VITSERVE_CUDA_TF32) runs it; ORT's own default is TF32."""
     entry = read_entry(folder)
-    options = {"sdpa_kernel": str(sdpa_kernel)} if sdpa_kernel else {}
+    options = {"use_tf32": "0"} | ({"sdpa_kernel": str(sdpa_kernel)} if sdpa_kernel else {})
     session = ort.InferenceSession(str(graph or entry.path()), providers=[(CUDA, options)])
     h, w = entry.policy.size
     binding = session.io_binding()
@@ -123,8 +125,8 @@ def runner(folder: Path, batch: int, device: str, cuda_graphs: bool = False, pin
     h, w = entry.policy.size
     inputs = (entry.manifest["input"]["name"], entry.manifest["tensor_input"]["name"])
     run = Runner(entry.path(), inputs, [device], cuda_graph_max_batch=batch if cuda_graphs else 0)
-    if cuda_graphs and not run.graphs:
-        raise RuntimeError("no CUDA graphs (the service's log line says why)")
+    if cuda_graphs and batch not in run.graphs:  # graphs come in powers of two; another batch would run plainly
+        raise RuntimeError(f"no CUDA graph for batch {batch} (one per power of two; a failed capture is logged)")
     images, tensors = np.zeros((batch, h, w, 3), np.uint8), np.zeros((0, 3, h, w), np.float32)
     empty = run.host_batch if pinned else lambda n: np.empty((n, h, w, 3), np.uint8)
 
@@ -175,8 +177,13 @@ def torch_model(model: str, batch: int, cuda: bool, compiled: bool = False):
 def timm_amp(model: str, batch: int):
     import timm
     import torch
+
+    from models import create_model
+    if not timm.is_model(model):
+        raise RuntimeError("timm has no such model")
     net = timm.create_model(model).eval().cuda().to(memory_format=torch.channels_last)
-    x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+    size = create_model(model).spec.img_size
+    x = torch.randn(batch, 3, size, size, device="cuda").to(memory_format=torch.channels_last)
 
     def run() -> None:
         with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16):
@@ -194,6 +201,10 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
     except ImportError:
         has_timm = False
         skipped.append("timm AMP: timm does not import here")
+    pinned = cuda and pinned_empty() is not None
+    if cuda and not pinned:
+        skipped.append("Runner fp16 pageable: CuPy cannot allocate page-locked memory here, so the Runner's batches "
+                       "are pageable too")
     raw = {}
     print(f"\ngraphs: images/s, medians of {rounds} rounds" + ("" if cuda else " (no CUDA: CPU, fp32)"))
     for model in models:
@@ -204,35 +215,38 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
                 calls = {"ORT fp32 dev": ort_on_device(fp32, batch), "ORT fp16 dev": ort_on_device(fp16, batch),
                          "ORT fp16 unfused dev": ort_on_device(fp16, batch, fp16_graph(cache, model, tuple(REWRITES))),
                          "Runner fp16": runner(fp16, batch, CUDA),
-                         "Runner fp16 pageable": runner(fp16, batch, CUDA, pinned=False),
                          "Runner fp16 2 threads": runner_threads(fp16, batch, 1),
                          "Runner fp16 2 threads 2 sessions": runner_threads(fp16, batch, 2),
-                         "torch fp16": torch_model(model, batch, True),
-                         "torch.compile fp16": torch_model(model, batch, True, compiled=True)}
-                optional = {f"ORT fp16 dev, sdpa {k}": lambda v=v: ort_on_device(fp16, batch, sdpa_kernel=v)
-                            for k, v in SDPA_KERNELS.items() if k in sdpa_kernels}
+                         "torch fp16": torch_model(model, batch, True)}
+                if pinned:
+                    calls["Runner fp16 pageable"] = runner(fp16, batch, CUDA, pinned=False)
                 calls.update({f"ORT fp16 without {r}": ort_on_device(fp16, batch, fp16_graph(cache, model, (r,)))
                               for r in ablate})
+                # each built and run a few times here, where a failure is named, not fatal: torch.compile compiles
+                # at its first call, and ORT captures a CUDA graph only after one or two plain runs
+                optional = {"torch.compile fp16": lambda: torch_model(model, batch, True, compiled=True)}
+                optional.update({f"ORT fp16 dev, sdpa {k}": lambda v=v: ort_on_device(fp16, batch, sdpa_kernel=v)
+                                 for k, v in SDPA_KERNELS.items() if k in sdpa_kernels})
                 if batch <= CUDA_GRAPH_MAX_BATCH:
                     optional["ORT fp16 CUDA graph"] = lambda: cuda_graph_on_device(model, batch, cache)
                     optional["Runner fp16 CUDA graph"] = lambda: runner(fp16, batch, CUDA, cuda_graphs=True)
+                if has_timm:
+                    optional["timm AMP"] = lambda: timm_amp(model, batch)
                 for name, make in optional.items():
                     try:
                         calls[name] = make()
-                        calls[name]()  # the first run (a capture, a forced kernel) here: a failure is named, not fatal
+                        for _ in range(3):
+                            calls[name]()
                     except Exception as e:  # ONNX Runtime's errors derive from Exception alone
                         calls.pop(name, None)
                         skipped.append(f"{name}, {model} batch {batch}: {e}")
             else:
                 calls = {"ORT fp32": runner(fp32, batch, CPU), "torch fp32": torch_model(model, batch, False)}
-            if has_timm:
-                calls["timm AMP"] = timm_amp(model, batch)
             rates = median_rates(calls, batch, rounds, seconds)
             raw[model, batch] = rates["ORT fp16 dev" if cuda else "ORT fp32"]
-            ratios = (f"ORT fp16 / torch {raw[model, batch] / rates['torch fp16']:.2f}, / torch.compile "
-                      f"{raw[model, batch] / rates['torch.compile fp16']:.2f}, fused / unfused "
-                      f"{raw[model, batch] / rates['ORT fp16 unfused dev']:.2f}" if cuda else
-                      f"ORT / torch {raw[model, batch] / rates['torch fp32']:.2f}")
+            against = (["torch fp16", "torch.compile fp16", "ORT fp16 unfused dev"] if cuda else ["torch fp32"])
+            ratios = ", ".join(f"ORT {'fp16' if cuda else 'fp32'} / {k} {raw[model, batch] / rates[k]:.2f}"
+                               for k in against if k in rates)
             print(f"{model:<30} batch {batch:>4}: " + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items())
                   + f"; {ratios}", flush=True)
     return raw
@@ -246,12 +260,10 @@ def jpeg(size: tuple[int, int]) -> bytes:
 
 def service(model: str, cache: Path, cuda: bool, clients: list[int], seconds: float, raw: dict,
             max_batch: int, cuda_graph_max_batch: int) -> None:
-    repo = export(cache, model).parent
-    if cuda:
-        export(cache, model, "fp16")
+    folders = [export(cache, model)] + ([export(cache, model, "fp16")] if cuda else [])
     processes = max(1, min(8, (os.cpu_count() or 2) // 2))
     photo = [("chelsea.jpg", jpeg((451, 300)))]
-    entry = read_entry(repo / model)
+    entry = read_entry(folders[0])
     pixels = model_input(decode(photo[0][1], None, 10**9).image, entry.policy)
     routes = {"/classify, 1 JPEG": ((classify_requests, (photo, {"model": model, "top_k": 1}, 1)), 1),
               "/classify, 8 JPEGs": ((classify_requests, (photo, {"model": model, "top_k": 1}, 8)), 8),
@@ -261,19 +273,21 @@ def service(model: str, cache: Path, cuda: bool, clients: list[int], seconds: fl
     reference = raw.get((model, max_batch))
     print(f"\nservice: {model}, max batch {max_batch}, clients over {processes} processes; service / raw = images/s "
           f"over the raw session's at batch {max_batch} ({f'{reference:,.0f}' if reference else 'not measured'})")
-    settings = {"model_repository": repo, "max_batch_size": max_batch, "queue_limit": 64 * max_batch,
-                "cuda_graph_max_batch": cuda_graph_max_batch,
-                "max_files": 64}
-    with running_service(**settings) as url:
-        for name, (sender, files) in routes.items():
-            for c in clients:
-                r = run_level_processes(url, sender, c, seconds, processes, files_per_request=files)
-                share = f"{r.images_per_s / reference:.0%}" if reference else "-"
-                lat = r.latency_ms or {"p50": float("nan"), "p99": float("nan")}
-                print(f"{name:<20} {c:>4} clients: {r.images_per_s:>9,.0f} images/s ({share} of raw), p50 "
-                      f"{lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms, client {r.client_cores:.2f} cores"
-                      + (", CLIENT-BOUND" if r.client_bound else "") + (f", failures {r.failures}" if r.failures
-                                                                        else ""), flush=True)
+    with tempfile.TemporaryDirectory() as repo:  # this model alone: the cache's others would load and warm up too
+        for folder in folders:
+            (Path(repo) / folder.name).symlink_to(folder.resolve())
+        settings = {"model_repository": repo, "max_batch_size": max_batch, "queue_limit": 64 * max_batch,
+                    "cuda_graph_max_batch": cuda_graph_max_batch, "max_files": 64}
+        with running_service(**settings) as url:
+            for name, (sender, files) in routes.items():
+                for c in clients:
+                    r = run_level_processes(url, sender, c, seconds, processes, files_per_request=files)
+                    share = f"{r.images_per_s / reference:.0%}" if reference else "-"
+                    lat = r.latency_ms or {"p50": float("nan"), "p99": float("nan")}
+                    print(f"{name:<20} {c:>4} clients: {r.images_per_s:>9,.0f} images/s ({share} of raw), p50 "
+                          f"{lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms, client {r.client_cores:.2f} cores"
+                          + (", CLIENT-BOUND" if r.client_bound else "") + (f", failures {r.failures}" if r.failures
+                                                                            else ""), flush=True)
 
 
 def decoding(cuda: bool, policy: InputPolicy, copies: int = 256) -> None:
