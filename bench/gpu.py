@@ -31,7 +31,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -177,12 +179,10 @@ def torch_model(model: str, batch: int, cuda: bool, compiled: bool = False):
 def timm_amp(model: str, batch: int):
     import timm
     import torch
-
-    from models import create_model
     if not timm.is_model(model):
         raise RuntimeError("timm has no such model")
     net = timm.create_model(model).eval().cuda().to(memory_format=torch.channels_last)
-    size = create_model(model).spec.img_size
+    size = net.pretrained_cfg["input_size"][-1]
     x = torch.randn(batch, 3, size, size, device="cuda").to(memory_format=torch.channels_last)
 
     def run() -> None:
@@ -273,21 +273,28 @@ def service(model: str, cache: Path, cuda: bool, clients: list[int], seconds: fl
     reference = raw.get((model, max_batch))
     print(f"\nservice: {model}, max batch {max_batch}, clients over {processes} processes; service / raw = images/s "
           f"over the raw session's at batch {max_batch} ({f'{reference:,.0f}' if reference else 'not measured'})")
-    with tempfile.TemporaryDirectory() as repo:  # this model alone: the cache's others would load and warm up too
+    settings = {"max_batch_size": max_batch, "queue_limit": 64 * max_batch,
+                "cuda_graph_max_batch": cuda_graph_max_batch, "max_files": 64}
+    with repository_of(folders) as repo, running_service(model_repository=repo, **settings) as url:
+        for name, (sender, files) in routes.items():
+            for c in clients:
+                r = run_level_processes(url, sender, c, seconds, processes, files_per_request=files)
+                share = f"{r.images_per_s / reference:.0%}" if reference else "-"
+                lat = r.latency_ms or {"p50": float("nan"), "p99": float("nan")}
+                print(f"{name:<20} {c:>4} clients: {r.images_per_s:>9,.0f} images/s ({share} of raw), p50 "
+                      f"{lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms, client {r.client_cores:.2f} cores"
+                      + (", CLIENT-BOUND" if r.client_bound else "") + (f", failures {r.failures}" if r.failures
+                                                                        else ""), flush=True)
+
+
+@contextmanager
+def repository_of(folders: list[Path]) -> Iterator[Path]:
+    """A temporary repository of these model folders alone (links): the cache's other models would load and warm
+    up too."""
+    with tempfile.TemporaryDirectory() as repo:
         for folder in folders:
             (Path(repo) / folder.name).symlink_to(folder.resolve())
-        settings = {"model_repository": repo, "max_batch_size": max_batch, "queue_limit": 64 * max_batch,
-                    "cuda_graph_max_batch": cuda_graph_max_batch, "max_files": 64}
-        with running_service(**settings) as url:
-            for name, (sender, files) in routes.items():
-                for c in clients:
-                    r = run_level_processes(url, sender, c, seconds, processes, files_per_request=files)
-                    share = f"{r.images_per_s / reference:.0%}" if reference else "-"
-                    lat = r.latency_ms or {"p50": float("nan"), "p99": float("nan")}
-                    print(f"{name:<20} {c:>4} clients: {r.images_per_s:>9,.0f} images/s ({share} of raw), p50 "
-                          f"{lat['p50']:.1f} ms, p99 {lat['p99']:.1f} ms, client {r.client_cores:.2f} cores"
-                          + (", CLIENT-BOUND" if r.client_bound else "") + (f", failures {r.failures}" if r.failures
-                                                                            else ""), flush=True)
+        yield Path(repo)
 
 
 def decoding(cuda: bool, policy: InputPolicy, copies: int = 256) -> None:
