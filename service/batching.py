@@ -1,29 +1,31 @@
 """Dynamic batching, one batcher per served graph, with Triton's semantics.
 
-Requests (each a block of image records) queue up; a batch runs as soon as it holds max_batch_size images or
-its oldest image has waited max_queue_delay. A request larger than the room left is split across batches.
-Unlike Triton, the batcher knows which requests are still decoding their images for this graph
-(`preparing`): a partial batch waits only while one is, since nothing else could join it, so a lone client
-never pays the delay (under the process backend the HTTP workers tell the inference process what they are
-decoding). Up to `concurrency` batches run at once in the executor (2 on a GPU: one is copied in and
-post-processed while the other computes); results are written into the requests' records there, and each
-request's future is resolved once all its images are done. Beyond queue_limit queued images, new requests are
-refused at once instead of growing the queue.
+Entries queue up, each the rows of one records array that go together: one HTTP request's images, or under the
+process backend a worker's *frame* (the slots of its shared-memory arena that many requests filled). A batch
+runs as soon as it holds max_batch_size images or its oldest image has waited max_queue_delay; an entry larger
+than the room left is split across batches. Unlike Triton, the batcher knows which requests are still decoding
+their images for this graph (`preparing`): a partial batch waits only while one is, since nothing else could
+join it, so a lone client never pays the delay (under the process backend the HTTP workers count theirs in
+shared memory, read through `elsewhere`). Up to `concurrency` batches run at once in the executor (2 on a GPU:
+one is copied in and post-processed while the other computes); results are written into the entries' records
+there, and each entry's future is resolved once all its images are done. Beyond queue_limit queued images, new
+entries are refused at once instead of growing the queue.
 """
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .errors import ServiceError
 from .metrics import Metrics
-from .records import KINDS, Part
+from .records import KINDS, Part, Rows, count, kind_of
 
 log = logging.getLogger("vitserve")
 
@@ -32,15 +34,20 @@ class QueueFull(Exception):
     """The graph's queue is at its limit."""
 
 
-@dataclass
-class _Request:
+@dataclass(eq=False)
+class Entry:
+    """Rows of one records array in the queue. Its future resolves once every row has its results, to the errors
+    of the rows that failed alone ({row: exception}; a JPEG no decoder could read), or fails with the batch."""
     records: np.ndarray
+    rows: Rows  # those not yet in a batch
     top_k: int
-    jpegs: list[bytes] | None
+    jpegs: list[bytes] | None  # one per row not yet in a batch, for "jpeg" records
     future: asyncio.Future
     enqueued: float
-    taken: int = 0  # records already in a batch
-    left: int = 0  # records without results yet
+    on_taken: Callable[[], None] | None  # called once every row is in a batch that started
+    left: int  # rows without results yet
+    kind: str = ""
+    errors: dict[int, Exception] = field(default_factory=dict)
 
 
 # runs one batch in the executor: (parts, each part's queue ms) -> inference seconds
@@ -50,15 +57,22 @@ RunBatch = Callable[[list[Part], list[float]], float]
 class Batcher:
     def __init__(self, name: str, run: RunBatch, executor: Executor, metrics: Metrics, max_batch_size: int,
                  max_queue_delay_s: float, queue_limit: int, concurrency: int = 1):
-        self.name, self.run, self.executor, self.metrics = name, run, executor, metrics
+        self.name, self.run, self.executor = name, run, executor
         self.max_batch_size, self.max_queue_delay_s, self.queue_limit = max_batch_size, max_queue_delay_s, queue_limit
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[Entry] = deque()
         self._arrived = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
         self._running: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
+        self._gathering: list[tuple[Entry, Part]] = []  # the batch being gathered
         self._preparing = 0  # requests decoding images that will come to this batcher
+        self.elsewhere: Callable[[], int] = lambda: 0  # the same, counted by other processes
         self.depth = 0  # queued images not yet in a batch
+        self._depth_gauge = metrics.queue_depth.labels(name)
+        self._observe_batch = metrics.batch_observer(name)
+        self._depth_told = True  # the gauge shows the depth (set once per turn of the event loop at most)
+        # where batches run one at a time (the CPU), a lone request may run in its decode thread (try_run_here)
+        self._one_at_a_time = threading.Lock() if concurrency == 1 else None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
@@ -69,71 +83,135 @@ class Batcher:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await asyncio.gather(*self._running, return_exceptions=True)
-        for request in self._waiting:
-            request.future.cancel()
+        for entry in self._waiting:
+            entry.future.cancel()
         self._waiting.clear()
 
     @contextmanager
     def preparing(self) -> Iterator[None]:
         """Around a request's decoding: while it runs, a partial batch may wait (up to the delay) for its images."""
-        self.expect(1)
+        self._preparing += 1
         try:
             yield
         finally:
-            self.expect(-1)
+            self._preparing -= 1
 
-    def expect(self, requests: int) -> None:
-        """`requests` more (or, negative, fewer) requests are decoding images for this batcher."""
-        self._preparing += requests
+    def try_run_here(self, records: np.ndarray, top_k: int) -> bool:
+        """From a thread of the caller's (a decode thread), the records run at once in that thread, as a batch of
+        their own, where nothing else is queued, gathered, running or being decoded for this batcher: a lone request
+        is spared two thread hops. False, having done nothing, where the batcher is busy or runs batches two at a
+        time (a GPU): then submit them."""
+        if (self._one_at_a_time is None or self._waiting or self._gathering or self._running or self._preparing > 1
+                or self.elsewhere() or not self._one_at_a_time.acquire(blocking=False)):
+            return False
+        try:
+            elapsed = self.run([Part(records, slice(0, len(records)), top_k)], [0.0])
+        except Exception as e:
+            raise self._failed(e, len(records)) from None
+        finally:
+            self._one_at_a_time.release()
+        self._observe_batch(len(records), elapsed)
+        return True
 
-    def submit(self, records: np.ndarray, top_k: int = 1, jpegs: list[bytes] | None = None) -> asyncio.Future:
-        """Queue the records (with their JPEG bytes, for "jpeg" records); the future resolves once results are
-        written into all of them."""
-        n = len(records)
-        if self.depth + n > self.queue_limit:
+    def _run_batch(self, parts: list[Part], waits: list[float]) -> float:
+        if self._one_at_a_time is None:
+            return self.run(parts, waits)
+        with self._one_at_a_time:  # after try_run_here's run, if one is under way
+            return self.run(parts, waits)
+
+    def _failed(self, error: Exception, images: int) -> ServiceError:
+        log.exception("%s: a batch of %d images failed", self.name, images)
+        return ServiceError(f"inference failed on this request's batch: {type(error).__name__}: {error}",
+                            "inference_failed")
+
+    @property
+    def room(self) -> int:
+        """Images the queue takes before it refuses."""
+        return self.queue_limit - self.depth
+
+    def submit(self, records: np.ndarray, top_k: int = 1, jpegs: list[bytes] | None = None, rows: Rows | None = None,
+               on_taken: Callable[[], None] | None = None) -> Entry:
+        """Queue `rows` of the records (all of them by default; with their JPEG bytes, for "jpeg" records); the
+        entry's future resolves once results are written into all of them."""
+        rows = slice(0, len(records)) if rows is None else rows
+        n = count(rows)
+        if n > self.room:
             raise QueueFull(f"{self.name} is busy: {self.depth} images are queued, and this request's {n} would pass "
                             f"its limit of {self.queue_limit}; retry later")
         future = asyncio.get_running_loop().create_future()
-        request = _Request(records, top_k, jpegs, future, time.perf_counter(), left=n)
-        future.add_done_callback(lambda f: f.cancelled() and self._abandon(request))
-        self._waiting.append(request)
+        entry = Entry(records, rows, top_k, jpegs, future, time.perf_counter(), on_taken, n, kind_of(records))
+        future.add_done_callback(lambda f: f.cancelled() and self._abandon(entry))
+        self._waiting.append(entry)
         self.depth += n
-        self.metrics.queue_depth.labels(self.name).set(self.depth)
+        self._tell_depth()
         self._arrived.set()
-        return future
+        return entry
+
+    def drop(self, entry: Entry, first: int, stop: int) -> None:
+        """The entry's rows first..stop-1 leave the queue and the batch being gathered, those not yet in a batch
+        that started (their request has gone)."""
+        waiting = entry in self._waiting
+        if waiting:
+            entry.rows, entry.jpegs, gone = _without(entry.rows, entry.jpegs, first, stop)
+            self.depth -= gone
+            entry.left -= gone
+            self._tell_depth()
+        for owner, part in self._gathering:
+            if owner is entry:
+                part.rows, part.jpegs, gone = _without(part.rows, part.jpegs, first, stop)
+                part.size -= gone
+                entry.left -= gone
+        if waiting and not count(entry.rows):
+            self._waiting.remove(entry)
+            if entry.on_taken is not None:
+                entry.on_taken()
+        if not entry.left and not entry.future.done():
+            entry.future.set_result(entry.errors)
+
+    def _tell_depth(self) -> None:
+        """The queue depth gauge, once the current turn of the event loop is over (a gauge shared between processes
+        costs a write to shared memory, and a turn may queue many entries)."""
+        if self._depth_told:
+            self._depth_told = False
+            asyncio.get_running_loop().call_soon(self._set_depth_gauge)
+
+    def _set_depth_gauge(self) -> None:
+        self._depth_told = True
+        self._depth_gauge.set(self.depth)
 
     async def settled(self) -> None:
-        """Every batch started so far has finished. A request cancelled before this is awaited has nothing left that
+        """Every batch started so far has finished. An entry cancelled before this is awaited has nothing left that
         writes into its records (the batch being gathered leaves it out), so they may be reused."""
         if self._running:
             await asyncio.wait(set(self._running))  # not gather: cancelling the caller must not cancel batches
 
-    def _abandon(self, request: _Request) -> None:
+    def _abandon(self, entry: Entry) -> None:
         """Its caller went away (the client disconnected): what is not yet in a batch leaves the queue at once."""
-        if request in self._waiting:
-            self._waiting.remove(request)
-            self.depth -= len(request.records) - request.taken
-            self.metrics.queue_depth.labels(self.name).set(self.depth)
+        if entry in self._waiting:
+            self._waiting.remove(entry)
+            self.depth -= count(entry.rows)
+            self._tell_depth()
 
-    async def _gather(self) -> list[tuple[_Request, Part]]:
+    async def _gather(self) -> list[tuple[Entry, Part]]:
         """Wait for a first image, then fill up until the batch is full, the first has waited long enough or no
         more images are on their way."""
-        taken, room, deadline = [], self.max_batch_size, None
+        taken, room, deadline = self._gathering, self.max_batch_size, None
         while room:
             if self._waiting:
-                request = self._waiting[0]
-                if request.future.cancelled():  # abandoned, its callback not yet run
-                    self._abandon(request)
+                entry = self._waiting[0]
+                if entry.future.cancelled():  # abandoned, its callback not yet run
+                    self._abandon(entry)
                     continue
-                deadline = deadline or request.enqueued + self.max_queue_delay_s
-                n = min(room, len(request.records) - request.taken)
-                rows = slice(request.taken, request.taken + n)
-                jpegs = request.jpegs[rows] if request.jpegs is not None else None
-                taken.append((request, Part(request.records, rows.start, rows.stop, request.top_k, jpegs)))
-                request.taken += n
+                deadline = deadline or entry.enqueued + self.max_queue_delay_s
+                n = min(room, count(entry.rows))
+                rows, entry.rows = _split(entry.rows, n)
+                jpegs = None
+                if entry.jpegs is not None:
+                    jpegs, entry.jpegs = entry.jpegs[:n], entry.jpegs[n:]
+                taken.append((entry, Part(entry.records, rows, entry.top_k, jpegs, entry.kind)))
                 room -= n
                 self.depth -= n
-                if request.taken == len(request.records):
+                if not count(entry.rows):
                     self._waiting.popleft()
                 continue
             self._arrived.clear()
@@ -141,13 +219,15 @@ class Batcher:
                 await self._arrived.wait()
                 continue
             remaining = deadline - time.perf_counter()
-            if remaining <= 0 or not self._preparing:
+            if remaining <= 0 or not (self._preparing or self.elsewhere()):
                 break
             try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
+                async with asyncio.timeout(remaining):  # (not wait_for: it makes a task each time)
+                    await self._arrived.wait()
             except TimeoutError:
                 break
-        return [(request, part) for request, part in taken if not request.future.cancelled()]  # gone meanwhile
+        self._gathering = []
+        return taken
 
     async def _loop(self) -> None:
         while True:
@@ -157,41 +237,59 @@ class Batcher:
             except BaseException:
                 self._slots.release()
                 raise
-            self.metrics.queue_depth.labels(self.name).set(self.depth)
-            if not taken:  # all of it given up while the batch was gathered
+            self._tell_depth()
+            for entry, _ in taken:
+                if entry.on_taken is not None and not count(entry.rows):
+                    entry.on_taken()
+            taken = [(entry, part) for entry, part in taken if part.size and not entry.future.done()]  # gone meanwhile
+            if not taken:
                 self._slots.release()
                 continue
             task = asyncio.get_running_loop().create_task(self._run(taken))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    async def _run(self, taken: list[tuple[_Request, Part]]) -> None:
-        taken.sort(key=lambda t: KINDS.index(t[1].kind))  # JPEGs and images first: their rows come back first
+    async def _run(self, taken: list[tuple[Entry, Part]]) -> None:
+        # JPEGs and images first (their rows come back first); parts over the same records side by side, to be
+        # gathered and written back as one (records.spans)
+        taken.sort(key=lambda t: (KINDS.index(t[1].kind), id(t[1].records)))
         start = time.perf_counter()
-        waits = [start - request.enqueued for request, _ in taken]
+        waits = [(start - entry.enqueued) * 1e3 for entry, _ in taken]
         parts = [part for _, part in taken]
         try:
-            elapsed = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.run, parts, [w * 1e3 for w in waits])
-        except Exception as e:  # a failed batch fails its requests, not the batcher
-            log.exception("%s: a batch of %d images failed", self.name, sum(p.size for p in parts))
-            failed = ServiceError(f"inference failed on this request's batch: {type(e).__name__}: {e}",
-                                  "inference_failed")
-            for request, _ in taken:
-                if not request.future.done():
-                    request.future.set_exception(failed)
+            elapsed = await asyncio.get_running_loop().run_in_executor(self.executor, self._run_batch, parts, waits)
+        except Exception as e:  # a failed batch fails its entries, not the batcher
+            failed = self._failed(e, sum(p.size for p in parts))
+            for entry, _ in taken:
+                if not entry.future.done():
+                    entry.future.set_exception(failed)
             return
         finally:
             self._slots.release()
-        # let the loop start the next batch before it answers this one's requests, so that the inference thread
-        # is not idle while they are encoded
-        await asyncio.sleep(0)
-        self.metrics.observe_batch(self.name, sum(p.size for p in parts), waits, elapsed)
-        for request, part in taken:
-            request.left -= part.size
-            if request.future.done():
-                continue
-            if part.error is not None:
-                request.future.set_exception(part.error)
-            elif request.left == 0:
-                request.future.set_result(None)
+        if self._waiting:  # let the loop start the next batch before it answers this one's entries, so that the
+            await asyncio.sleep(0)  # inference thread is not idle while they are encoded
+        self._observe_batch(sum(p.size for p in parts), elapsed)
+        for entry, part in taken:
+            entry.left -= part.size
+            entry.errors.update(part.errors)
+            if not entry.left and not entry.future.done():
+                entry.future.set_result(entry.errors)
+
+
+def _without(rows: Rows, jpegs: list[bytes] | None, first: int, stop: int
+             ) -> tuple[Rows, list[bytes] | None, int]:
+    """The rows outside first..stop-1 (and their JPEGs), and how many went."""
+    numbers = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
+    keep = (numbers < first) | (numbers >= stop)
+    if keep.all():
+        return rows, jpegs, 0
+    if jpegs is not None:
+        jpegs = [data for data, kept in zip(jpegs, keep.tolist()) if kept]
+    return numbers[keep], jpegs, len(keep) - int(keep.sum())
+
+
+def _split(rows: Rows, n: int) -> tuple[Rows, Rows]:
+    """The first n rows, and the rest."""
+    if isinstance(rows, slice):
+        return slice(rows.start, rows.start + n), slice(rows.start + n, rows.stop)
+    return rows[:n], rows[n:]

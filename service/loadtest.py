@@ -113,16 +113,22 @@ def classify_requests(images: list[tuple[str, bytes]], params: dict, files_per_r
     return send
 
 
-def v2_requests(model: str, name: str, x: np.ndarray, binary_outputs: bool = True) -> Send:
-    """POST /v2/models/MODEL/infer with the batch `x` as input `name` in the binary tensor extension (tritonclient's
-    encoding); outputs in binary too, unless `binary_outputs` is off (then the JSON the protocol defaults to)."""
+def v2_body(name: str, x: np.ndarray, binary_outputs: bool = True) -> tuple[bytes, dict[str, str]]:
+    """A KServe v2 infer body with the batch `x` as input `name` in the binary tensor extension (tritonclient's
+    encoding), and its headers; outputs asked for in binary too, unless `binary_outputs` is off."""
     datatype = {np.dtype(np.float32): "FP32", np.dtype(np.uint8): "UINT8"}[x.dtype]
     blob = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<")).tobytes()
     header = json.dumps({"inputs": [{"name": name, "datatype": datatype, "shape": list(x.shape),
                                      "parameters": {"binary_data_size": len(blob)}}],
                          "parameters": {"binary_data_output": binary_outputs}}).encode()
-    body = header + blob
-    headers = {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"}
+    return header + blob, {"Inference-Header-Content-Length": str(len(header)),
+                           "Content-Type": "application/octet-stream"}
+
+
+def v2_requests(model: str, name: str, x: np.ndarray, binary_outputs: bool = True) -> Send:
+    """POST /v2/models/MODEL/infer with the batch `x` as input `name` (v2_body); outputs in binary, unless
+    `binary_outputs` is off (then the JSON the protocol defaults to)."""
+    body, headers = v2_body(name, x, binary_outputs)
 
     async def send(session: aiohttp.ClientSession, i: int) -> int:
         async with session.post(f"/v2/models/{model}/infer", data=body, headers=headers) as r:

@@ -6,6 +6,7 @@ multiprocess mode, set by the supervisor before any process starts) and /metrics
 lands, adds them all up; process_* then covers the supervisor and all its children.
 """
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
@@ -33,7 +34,7 @@ class Metrics:
         self.images = Counter("vitserve_images", "images run through a model's graph", ["model"], registry=r)
         self.batch_size = Histogram("vitserve_batch_size", "images per inference call", ["model"],
                                     buckets=_BATCH, registry=r)
-        self.queue_seconds = Histogram("vitserve_queue_seconds", "time an image waited for its batch to start",
+        self.queue_seconds = Histogram("vitserve_queue_seconds", "time a request waited for its first batch to start",
                                        ["model"], buckets=_SECONDS, registry=r)
         self.inference_seconds = Histogram("vitserve_inference_seconds", "compute time of one batch",
                                            ["model"], buckets=_SECONDS, registry=r)
@@ -47,12 +48,16 @@ class Metrics:
         self.ready = Gauge("vitserve_model_ready", "1 once the model is loaded and warm", ["model"], registry=r,
                            multiprocess_mode="livemax")
 
-    def observe_batch(self, model: str, size: int, waits: list[float], inference_s: float) -> None:
-        self.images.labels(model).inc(size)
-        self.batch_size.labels(model).observe(size)
-        self.inference_seconds.labels(model).observe(inference_s)
-        for wait in waits:
-            self.queue_seconds.labels(model).observe(wait)
+    def batch_observer(self, model: str) -> Callable[[int, float], None]:
+        """Counts a batch of `model`: (images, inference seconds). The labelled series are looked up once."""
+        images, sizes, seconds = (m.labels(model) for m in (self.images, self.batch_size, self.inference_seconds))
+
+        def observe(size: int, inference_s: float) -> None:
+            images.inc(size)
+            sizes.observe(size)
+            seconds.observe(inference_s)
+
+        return observe
 
 
 def _service_pids() -> list[int]:

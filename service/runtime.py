@@ -34,20 +34,24 @@ CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 
 def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: bool = False,
                  tf32: bool = False, cuda_graph_dims: dict[str, int] | None = None) -> ort.InferenceSession:
-    """A session on the first of `providers` that starts here (the CPU as the last resort). On CUDA, fp32 math
-    uses TF32 tensor cores only with `tf32` (ORT's own default is on). `cuda_graph_dims`: the symbolic
-    dimensions fixed at load for a session that CUDA captures as a graph (CudaGraph)."""
+    """A session on the first of `providers` that starts here (the CPU as the last resort). With `spin_wait`, a
+    CPU session's threads spin while a run lasts (not between runs); a CUDA session's never do, as they would
+    through every run on the GPU. On CUDA, fp32 math uses TF32 tensor cores only with `tf32` (ORT's own default is
+    on). `cuda_graph_dims`: the symbolic dimensions fixed at load for a session that CUDA captures as a graph
+    (CudaGraph)."""
+    wanted = list(dict.fromkeys([p for p in providers if p in ort.get_available_providers()] + [CPU]))
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or os.cpu_count() or 1
     options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_wait else "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_wait and CUDA not in wanted
+                                     else "0")
+    options.add_session_config_entry("session.force_spinning_stop", "1")  # stop spinning when a run ends
     options.log_severity_level = 2  # the session's own warnings show; only the default logger is muted below
     cuda = {"use_tf32": str(int(tf32))}
     if cuda_graph_dims:
         cuda["enable_cuda_graph"] = "1"
         for name, value in cuda_graph_dims.items():
             options.add_free_dimension_override_by_name(name, value)
-    wanted = list(dict.fromkeys([p for p in providers if p in ort.get_available_providers()] + [CPU]))
     configured = [(p, cuda) if p == CUDA else p for p in wanted]
     # a provider that cannot start is expected here, not an error: ORT reports that on its default logger
     ort.set_default_logger_severity(4)

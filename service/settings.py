@@ -51,8 +51,9 @@ class Settings(BaseSettings):
                                                "where it and CuPy are installed (the `gpu` extra); else Pillow")
     intra_op_threads: int = Field(0, ge=0, description="threads per inference (0: one per core)")
     decode_threads: int = Field(0, ge=0, description="image-decoding threads (0: one per core, at most 8)")
-    spin_wait: bool = Field(False, description="ONNX Runtime threads spin between runs (lower latency alone, but "
-                                               "they take the cores that decoding needs)")
+    spin_wait: bool = Field(True, description="on the CPU, ONNX Runtime's threads spin while a batch runs, never "
+                                              "between batches: a lone request's answer sooner (CUDA sessions never "
+                                              "spin)")
     warmup_runs: int = Field(2, ge=0, description="inference runs per model and batch size before ready")
     retry_after_s: int = Field(1, ge=1, description="the Retry-After of 503 answers")
     attention_cache_items: int = Field(1024, ge=1, description="attention results kept for GET /attention-map")

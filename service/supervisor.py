@@ -6,6 +6,7 @@ starts the workers, which all accept on it (as uvicorn's own --workers does). A 
 replaced. SIGTERM or Ctrl-C drains: the workers stop accepting and finish every request they accepted, then
 the inference process, which by then has nothing queued, stops.
 """
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -27,6 +28,17 @@ from .settings import Settings
 log = logging.getLogger("vitserve")
 
 
+ROLES = ("vitserve-infer", "vitserve-http")  # what `ps`, `top` and /proc/PID/comm call the two kinds of process
+
+
+def name_process(name: str) -> None:
+    """The process's name as `ps` and /proc/PID/comm show it (Linux; elsewhere it keeps its own)."""
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def runtime_folder() -> Path:
     shm = Path("/dev/shm")
     return Path(tempfile.mkdtemp(prefix="vitserve-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
@@ -42,8 +54,15 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def inference_main(settings: Settings, socket_path: Path, log_level: str) -> None:
+    """The inference process (multiprocessing, spawn)."""
+    name_process(ROLES[0])
+    server.main(settings, socket_path, log_level)
+
+
 def worker_main(settings: Settings, sock: socket.socket, socket_path: Path, log_level: str) -> None:
     """One HTTP worker (multiprocessing, spawn): the whole app over a ProcessBackend."""
+    name_process(ROLES[1])
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s worker %(process)d: %(message)s")
     app = create_app(settings, ProcessBackend(settings, socket_path))
     config = uvicorn.Config(app, log_level=log_level, access_log=settings.access_log,
@@ -72,7 +91,8 @@ def serve(settings: Settings, log_level: str = "info") -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    inference = context.Process(target=server.main, args=(settings, socket_path, log_level), name="vitserve-inference")
+    inference = context.Process(target=inference_main, args=(settings, socket_path, log_level),
+                                name="vitserve-inference")
     inference.start()
 
     def start_worker() -> multiprocessing.Process:

@@ -79,6 +79,9 @@ class Misbehaving:
     def preparing(self, model: str):
         yield
 
+    def run_here(self, model, records, top_k) -> bool:
+        return False
+
     async def run(self, model, records, top_k, jpegs=None) -> None:
         if self.behaviour == "overloaded":
             raise overloaded("no room", 7)

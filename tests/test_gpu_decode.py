@@ -98,7 +98,14 @@ def test_jpegs_decoded_with_their_batch_give_the_cpu_paths_answers_and_a_bad_one
 
 
 def test_jpeg_bytes_cross_to_the_inference_process_beside_their_records(tmp_path):
+    """Two requests in one frame, one with a JPEG no decoder reads: that one fails alone."""
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
+
+    async def run(worker: ProcessBackend, jpegs: list[bytes]) -> np.ndarray:
+        with worker.records("shapes-deit", "jpeg", len(jpegs)) as records:
+            assert "image" not in records.dtype.names
+            await worker.run("shapes-deit", records, 2, jpegs)
+            return records["logits"].copy()
 
     async def main():
         stop = asyncio.Event()
@@ -116,15 +123,15 @@ def test_jpeg_bytes_cross_to_the_inference_process_beside_their_records(tmp_path
                 await asyncio.sleep(0.01)
             else:
                 pytest.fail("the decoder's status never reached the worker")
-            with worker.records("shapes-deit", "jpeg", 2) as records:
-                assert "image" not in records.dtype.names
-                await worker.run("shapes-deit", records, 2, [jpeg, jpeg])
-                return records["logits"].copy(), decoder.calls
+            logits, broken = await asyncio.gather(run(worker, [jpeg, jpeg]), run(worker, [jpeg[:2000]]),
+                                                  return_exceptions=True)
+            return logits, broken, decoder.calls
         finally:
             await worker.close()
             stop.set()
             await serving
 
-    logits, calls = asyncio.run(main())
+    logits, broken, calls = asyncio.run(main())
     direct = run_graph(REPO / "shapes-deit" / "model.onnx", model_pixels(REPO / "shapes-deit", jpeg)[None])[0]
-    assert calls == [2] and logits.shape == (2, 6) and (logits.argmax(1) == direct.argmax(1)).all()
+    assert calls == [3] and logits.shape == (2, 6) and (logits.argmax(1) == direct.argmax(1)).all()
+    assert isinstance(broken, BadInput) and "could not be decoded" in broken.message

@@ -8,6 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,6 +18,7 @@ import pytest
 from service_process import (ROOT, direct_probabilities, free_port, metric, model_pixels, photo_bytes, run_graph,
                              running_service, service_env, wait_for)
 
+from service.backends import wire
 from service.backends.process import ProcessBackend
 from service.backends.server import InferenceServer
 from service.cache import AttentionRecord
@@ -25,6 +29,24 @@ REPO = ROOT / "model_repository"
 JPEG, PNG = photo_bytes("chelsea", "JPEG"), photo_bytes("astronaut", "PNG")
 
 
+@asynccontextmanager
+async def workers(settings: Settings, folder: Path, count: int = 2) -> AsyncIterator[list[ProcessBackend]]:
+    """An inference server in this process and `count` workers' backends connected to it."""
+    stop = asyncio.Event()
+    server = asyncio.create_task(InferenceServer(settings, folder / "inference.sock").serve(stop))
+    backends = [ProcessBackend(settings, folder / "inference.sock") for _ in range(count)]
+    try:
+        await asyncio.gather(*(b.start() for b in backends))
+        await asyncio.gather(*(b.loaded() for b in backends))
+        yield backends
+    finally:
+        for backend in backends:
+            await backend.close()
+        stop.set()
+        await server
+    assert not list(folder.glob("arena-*")) and not list(folder.glob("board-*"))  # the workers removed theirs
+
+
 def test_workers_share_one_inference_process_its_batches_and_its_attention_results(tmp_path):
     settings = Settings(model_repository=REPO, queue_limit=8, max_files=8, max_batch_size=8, warmup_runs=0,
                         max_queue_delay_ms=50)
@@ -32,13 +54,7 @@ def test_workers_share_one_inference_process_its_batches_and_its_attention_resul
     want = run_graph(REPO / "shapes-deit" / "model.onnx", pixels)
 
     async def main():
-        stop = asyncio.Event()
-        server = asyncio.create_task(InferenceServer(settings, tmp_path / "inference.sock").serve(stop))
-        first, second = ProcessBackend(settings, tmp_path / "inference.sock"), ProcessBackend(
-            settings, tmp_path / "inference.sock")
-        try:
-            await asyncio.gather(first.start(), second.start())
-            await asyncio.gather(first.loaded(), second.loaded())
+        async with workers(settings, tmp_path) as (first, second):
             assert [e.name for e in first.entries] == [e.name for e in second.entries]
             assert all(s.ready and s.provider == "CPUExecutionProvider" for s in second.status().values())
             with first.records("shapes-deit", "image", 2) as a, second.records("shapes-deit", "image", 1) as b:
@@ -101,14 +117,54 @@ def test_workers_share_one_inference_process_its_batches_and_its_attention_resul
             layers = await second.explain("shapes-deit", pixels[0])
             explain = run_graph(REPO / "shapes-deit" / "explain.onnx", pixels[:1])
             assert len(layers) == len(explain) and np.allclose(layers[-1], explain[-1][0], atol=1e-5)
-        finally:
-            await first.close()
-            await second.close()
-            stop.set()
-            await server
-        assert not list(tmp_path.glob("arena-*"))  # the workers removed their shared memory
 
     asyncio.run(main())
+
+
+def test_a_workers_requests_travel_as_one_frame_and_each_gets_its_own_rows(tmp_path, monkeypatch):
+    """Requests a worker holds at once reach the inference process as one message, whatever their number, and run
+    in one batch; each gets its own images' results. Requests of a frame that the queue has no room for are refused
+    alone, and a request given up while its frame waits leaves it."""
+    settings = Settings(model_repository=REPO, queue_limit=24, max_files=8, max_batch_size=32, warmup_runs=0,
+                        max_queue_delay_ms=100)
+    pixels = np.stack([model_pixels(REPO / "shapes-deit", data) for data in (JPEG, PNG)])
+    want = run_graph(REPO / "shapes-deit" / "model.onnx", pixels)[0]
+    sent = []
+    pack = wire.pack
+    monkeypatch.setattr(wire, "pack", lambda message, arrays=None: sent.append(message["op"]) or pack(message, arrays))
+
+    async def run(worker: ProcessBackend, images: np.ndarray) -> np.ndarray:
+        with worker.records("shapes-deit", "image", len(images)) as records:
+            records["image"] = images
+            await worker.run("shapes-deit", records, 1)
+            return records.copy()
+
+    async def main():
+        async with workers(settings, tmp_path) as (worker, other):
+            answers = await asyncio.gather(*(run(worker, pixels[i % 2:i % 2 + 1]) for i in range(20)))
+            frames = sent.count("run")
+            # a frame of three that fits the queue's 24 images only in part: the third request is refused alone
+            fits = await asyncio.gather(*(run(worker, pixels[[0, 1] * 5]) for _ in range(3)),
+                                        return_exceptions=True)
+            # a frame whose middle request is given up while its batch waits for the other worker's images
+            with other.preparing("shapes-deit"):
+                tasks = [asyncio.create_task(run(worker, pixels[i:i + 1])) for i in (0, 1, 0)]
+                await asyncio.sleep(0.02)
+                tasks[1].cancel()
+                await asyncio.sleep(0.01)
+            kept = await asyncio.gather(tasks[0], tasks[2])
+            return answers, frames, fits, kept
+
+    answers, frames, fits, kept = asyncio.run(main())
+    assert frames == 1  # twenty requests, one message
+    for i, records in enumerate(answers):
+        np.testing.assert_allclose(records["logits"][0], want[i % 2], atol=1e-5)
+        assert records["batch_size"][0] == 20
+    assert all(isinstance(f, np.ndarray) for f in fits[:2]) and isinstance(fits[2], Unavailable)
+    assert fits[2].code == "overloaded" and "limit of 24" in fits[2].message
+    np.testing.assert_allclose(fits[1]["logits"], want[[0, 1] * 5], atol=1e-5)
+    assert [records["batch_size"][0] for records in kept] == [2, 2]  # the cancelled one left the batch
+    np.testing.assert_allclose(kept[1]["logits"][0], want[0], atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +204,10 @@ def test_metrics_add_up_over_all_processes(url):  # 8 requests: never more than 
     assert all(r.status_code == 200 for r in asyncio.run(burst()))
     after = httpx.get(f"{url}/metrics").text
     delta = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)  # noqa: E731
-    assert delta("vitserve_images_total", model="shapes-deit") == 8  # counted in the inference process
+    model = {"model": "shapes-deit"}
+    assert delta("vitserve_images_total", **model) == 8  # counted in the inference process
     assert delta("vitserve_requests_total", route="/classify", method="POST", status="200") == 8  # in the workers
-    assert delta("vitserve_decode_seconds_count") == 8
+    assert delta("vitserve_decode_seconds_count") == 8 and delta("vitserve_queue_seconds_count", **model) == 8
     assert metric(after, "vitserve_model_ready", model="shapes-deit") == 1
     assert metric(after, "vitserve_model_info", model="shapes-deit", architecture="deit_micro_distilled_patch8_96",
                   task="classification", precision="fp32", provider="CPUExecutionProvider") == 1

@@ -146,7 +146,7 @@ def test_a_batch_writes_each_request_its_own_rows_images_first():
     """Two requests of images and one of tensors, run as one batch: each record gets its own rows."""
     images = [np.zeros(2, record_dtype(entry(), "image")), np.zeros(1, record_dtype(entry(), "image"))]
     tensors = np.zeros(3, record_dtype(entry(), "tensor"))
-    parts = [Part(images[0], 0, 2, 2), Part(images[1], 0, 1, 1), Part(tensors, 1, 3, 6)]
+    parts = [Part(images[0], slice(0, 2), 2), Part(images[1], slice(0, 1), 1), Part(tensors, np.array([1, 2]), 6)]
     logits = np.arange(5 * 6, dtype=np.float32).reshape(5, 6) % 7
     outputs = {"logits": logits, "cls_attention": np.random.default_rng(0).random((5, 4, 144), np.float32),
                "dist_attention": np.zeros((5, 4, 144), np.float32)}
@@ -165,7 +165,7 @@ def test_a_batch_gathers_its_images_in_the_parts_order_into_the_buffer_it_is_giv
     tensors = np.zeros(2, record_dtype(entry(), "tensor"))
     tensors["tensor"] = 7
     buffer = np.zeros((8, *first["image"].shape[1:]), np.uint8)  # as Runner.host_batch's page-locked one
-    parts = [Part(first, 1, 3, 1), Part(tensors, 0, 2, 1), Part(second, 0, 1, 1)]
+    parts = [Part(first, slice(1, 3), 1), Part(tensors, slice(0, 2), 1), Part(second, np.array([0]), 1)]
     gathered, pixels = host_inputs(parts, entry().policy.size, lambda n: buffer[:n])
     assert np.shares_memory(gathered, buffer) and gathered[:, 0, 0, 0].tolist() == [2, 3, 4]
     assert pixels.shape == (2, *tensors["tensor"].shape[1:]) and (pixels == 7).all()
@@ -179,10 +179,9 @@ def _run_batcher(coro_fn, **kw):
             calls.append(sum(p.size for p in parts))
             time.sleep(0.02)
             for p, waited in zip(parts, queue_ms):
-                records = p.records[p.start:p.stop]
-                records["logits"][:, 0] = records["image"][:, 0, 0, 0] * 2.0
-                records["batch_size"] = calls[-1]
-                records["queue_ms"] = waited
+                p.records["logits"][p.rows, 0] = p.records["image"][p.rows, 0, 0, 0] * 2.0
+                p.records["batch_size"][p.rows] = calls[-1]
+                p.records["queue_ms"][p.rows] = waited
             return 0.02
 
         with ThreadPoolExecutor(1) as pool:
@@ -206,7 +205,7 @@ def images(*values: int) -> np.ndarray:
 def test_batcher_fills_batches_splits_a_large_request_and_writes_each_row_back():
     async def go(batcher):
         big, small = images(*range(6)), images(10, 11, 12, 13)
-        await asyncio.gather(batcher.submit(big), batcher.submit(small))
+        await asyncio.gather(batcher.submit(big).future, batcher.submit(small).future)
         return big, small
 
     (big, small), calls = _run_batcher(go)
@@ -218,7 +217,7 @@ def test_batcher_fills_batches_splits_a_large_request_and_writes_each_row_back()
 def test_a_partial_batch_waits_only_while_another_request_is_preparing_and_at_most_the_delay():
     async def alone(batcher):
         one = images(1)
-        await batcher.submit(one)
+        await batcher.submit(one).future
         return one
 
     async def joined(batcher):
@@ -226,19 +225,19 @@ def test_a_partial_batch_waits_only_while_another_request_is_preparing_and_at_mo
             with batcher.preparing():
                 await asyncio.sleep(0.02)
             late = images(2)
-            await batcher.submit(late)
+            await batcher.submit(late).future
             return late
 
         late = asyncio.create_task(slow_decode())
         await asyncio.sleep(0)  # it is decoding now
         early = images(1)
-        await asyncio.gather(batcher.submit(early), late)
+        await asyncio.gather(batcher.submit(early).future, late)
         return early
 
     async def abandoned(batcher):
         with batcher.preparing():  # a decode that never delivers (e.g. a broken image)
             one = images(1)
-            await batcher.submit(one)
+            await batcher.submit(one).future
             return one
 
     result, calls = _run_batcher(alone, max_queue_delay_s=0.1)
@@ -253,9 +252,9 @@ def test_batcher_refuses_beyond_its_queue_limit_and_skips_abandoned_requests():
     async def go(batcher):
         with pytest.raises(QueueFull, match="this request's 4 would pass its limit of 3"):
             batcher.submit(images(1, 2, 3, 4))
-        abandoned = batcher.submit(images(1, 2))
+        abandoned = batcher.submit(images(1, 2)).future
         kept = images(3)
-        future = batcher.submit(kept)
+        future = batcher.submit(kept).future
         abandoned.cancel()
         await future
         return kept
@@ -267,14 +266,14 @@ def test_batcher_refuses_beyond_its_queue_limit_and_skips_abandoned_requests():
 def test_a_request_given_up_while_its_batch_is_gathered_is_left_out_of_it():
     async def go(batcher):
         with batcher.preparing():  # another request is decoding: the partial batch waits for it, up to 0.1 s
-            gone = batcher.submit(images(1, 2))
+            gone = batcher.submit(images(1, 2)).future
             await asyncio.sleep(0.01)  # now in the batch being gathered, out of the queue
             assert batcher.depth == 0
             gone.cancel()
             await asyncio.sleep(0.15)  # the batch closes with nothing left in it
         await batcher.settled()  # nothing runs for it, so nothing will write into its records
         kept = images(3)
-        await batcher.submit(kept)
+        await batcher.submit(kept).future
         return kept
 
     result, calls = _run_batcher(go, max_queue_delay_s=0.1)
@@ -284,7 +283,7 @@ def test_a_request_given_up_while_its_batch_is_gathered_is_left_out_of_it():
 def test_a_request_whose_client_left_leaves_the_queue_at_once():
     async def main():
         batcher = Batcher("m", lambda parts, queue_ms: 0.0, None, Metrics(), 4, 10.0, 8)  # not started: none taken
-        left = batcher.submit(images(*range(6)))
+        left = batcher.submit(images(*range(6))).future
         with pytest.raises(QueueFull):
             batcher.submit(images(*range(4)))
         left.cancel()  # what a disconnect does to the request's handling
@@ -295,14 +294,53 @@ def test_a_request_whose_client_left_leaves_the_queue_at_once():
     asyncio.run(main())
 
 
+def test_an_entry_of_scattered_rows_runs_them_alone_and_a_gone_requests_rows_leave_the_queue():
+    """A worker's frame: slots of its arena, in any order; a request that goes takes its slots out of the queue."""
+    async def go(batcher):
+        batcher.submit(images(1, 2, 3, 4))  # a full batch: it runs at once, for 20 ms
+        frame = images(*range(10, 16))
+        entry = batcher.submit(frame, rows=np.array([5, 0, 3, 1]))
+        await asyncio.sleep(0.005)
+        assert batcher.depth == 4
+        batcher.drop(entry, 3, 4)  # the request in slot 3 has gone: at once, its room is back
+        assert batcher.depth == 3
+        return frame, await entry.future
+
+    (frame, errors), calls = _run_batcher(go)
+    assert calls == [4, 3] and errors == {}
+    assert frame["logits"][:, 0].tolist() == [20, 22, 0, 0, 0, 30]  # slots 5, 0 and 1; 3 left, 2 and 4 not queued
+    assert frame["batch_size"].tolist() == [3, 3, 0, 0, 0, 3]
+
+
+def test_a_lone_request_runs_in_the_callers_thread_and_never_beside_a_batch():
+    async def go(batcher):
+        loop = asyncio.get_running_loop()
+        alone = images(7)
+        with batcher.preparing():  # as the pipeline calls it: while its own request decodes
+            ran = await loop.run_in_executor(None, batcher.try_run_here, alone, 1)
+        queued = batcher.submit(images(1, 2))
+        with batcher.preparing():
+            busy = await loop.run_in_executor(None, batcher.try_run_here, images(3), 1)  # a batch is on its way
+        await queued.future
+        with batcher.preparing(), batcher.preparing():  # another request is decoding: it may join a batch
+            waits = await loop.run_in_executor(None, batcher.try_run_here, images(4), 1)
+        return ran, alone, busy, waits
+
+    (ran, alone, busy, waits), calls = _run_batcher(go)
+    assert ran and alone["logits"][0, 0] == 14 and alone["batch_size"][0] == 1
+    assert not busy and not waits and calls == [1, 2]
+    two_at_a_time = Batcher("gpu", lambda parts, queue_ms: 0.0, None, Metrics(), 4, 0.0, 8, concurrency=2)
+    assert not two_at_a_time.try_run_here(images(5), 1)  # a GPU's batches run in their own threads
+
+
 def test_a_failed_batch_fails_its_requests_and_the_next_batch_runs():
     async def go(batcher):
-        bad = batcher.submit(images(1))
+        bad = batcher.submit(images(1)).future
         with pytest.raises(ServiceError, match="RuntimeError: kaput") as failed:
             await bad
         assert failed.value.code == "inference_failed"
         good = images(3)
-        await batcher.submit(good)
+        await batcher.submit(good).future
         return good
 
     async def main():
@@ -350,6 +388,13 @@ def test_cuda_graphs_come_in_powers_of_two_and_leave_the_cpu_alone():
     images[:] = 0
     logits = runner.run(images, np.zeros((0, 3, 96, 96), np.float32))["logits"]
     assert logits.shape == (3, 6)
+
+
+@pytest.mark.parametrize("spin_wait", [True, False])
+def test_cpu_sessions_spin_while_a_run_lasts_and_never_between_runs(spin_wait):
+    options = open_session(REPO / "shapes-vit" / "model.onnx", [CPU], spin_wait=spin_wait).get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == str(int(spin_wait))
+    assert options.get_session_config_entry("session.force_spinning_stop") == "1"
 
 
 def test_a_session_shows_its_own_warnings(tmp_path, capfd):

@@ -48,6 +48,10 @@ class Backend(Protocol):
     def preparing(self, model: str) -> AbstractContextManager[None]:
         """Around decoding images that will run on `model` (the batcher may wait for them)."""
 
+    def run_here(self, model: str, records: np.ndarray, top_k: int) -> bool:
+        """From a decode thread, once `records` are filled: run them in that thread if the model is idle, and say
+        whether it did (a lone request spared two thread hops); where it did not, `run` them."""
+
     async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None) -> None:
         """Batch, run and unbatch: results are in the records when it returns (for "jpeg" records, `jpegs` holds
         their bytes). Overloaded: Unavailable."""

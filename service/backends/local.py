@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from ..cache import AttentionCache, AttentionRecord
 from ..decode import decode, model_input
 from ..errors import BadInput, NotFound, overloaded
 from ..metrics import Metrics
-from ..records import Part, host_inputs, record_dtype, write_results
+from ..records import Part, host_inputs, record_dtype, row_numbers, write_results
 from ..runtime import CUDA, Plan, Runner, choose_device, serving_plan
 from ..settings import Settings
 from . import ModelStatus
@@ -46,6 +47,9 @@ class LocalBackend:
                                     settings.attention_ttl_s)
         self.inference: ThreadPoolExecutor | None = None
         self.concurrency = 1  # batches in flight per graph, decided with the device
+        # other processes' requests decoding for each model (entries' order), in their shared memory: the HTTP
+        # workers' boards under the process backend
+        self.boards: list[np.ndarray] = []
         self._loading: asyncio.Task | None = None
 
     # -- start-up ------------------------------------------------------------------------------------
@@ -85,6 +89,8 @@ class LocalBackend:
             self.batchers[graph] = Batcher(
                 graph, self._run_batch(graph), self.inference, self.metrics, self.settings.max_batch_size,
                 self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency)
+            models = [i for i, e in enumerate(self.entries) if self.plans[e.name].graph == graph]
+            self.batchers[graph].elsewhere = partial(self._preparing_elsewhere, models)
             self.batchers[graph].start()
             for name in names[graph]:
                 self._ready(name, runner.provider)
@@ -148,11 +154,12 @@ class LocalBackend:
         JPEG that neither nvImageCodec nor Pillow can read fails its own request only."""
         decoder, policy = self.jpeg_decoders[graph], self._by_name[graph].policy
         jpegs = [data for part in parts for data in part.jpegs]
-        owners = [part for part in parts for _ in part.jpegs]
+        owners = [(part, row) for part in parts for row in row_numbers(part.rows)]
         decoded, errors = decoder.decode(jpegs, lambda data: model_input(
             decode(data, policy.resize_short_side, self.settings.max_image_pixels).image, policy))
         for i, error in errors.items():
-            owners[i].error = error
+            part, row = owners[i]
+            part.errors[row] = error
         return decoder.join(decoded, host_images)
 
     async def close(self) -> None:
@@ -168,7 +175,8 @@ class LocalBackend:
     def status(self) -> dict[str, ModelStatus]:
         return self._status
 
-    def _batcher(self, model: str) -> Batcher:
+    def batcher(self, model: str) -> Batcher:
+        """The batcher of the graph that serves `model` (NotFound where none does)."""
         plan = self.plans.get(model)
         batcher = self.batchers.get(plan.graph) if plan else None
         if batcher is None:
@@ -183,25 +191,28 @@ class LocalBackend:
         batcher = self.batchers.get(self.plans[model].graph) if model in self.plans else None
         return batcher.preparing() if batcher is not None else nullcontext()
 
-    def expect(self, model: str, requests: int) -> None:
-        """What `preparing` does, for decoding that happens in another process."""
-        batcher = self.batchers.get(self.plans[model].graph) if model in self.plans else None
-        if batcher is not None:
-            batcher.expect(requests)
+    def _preparing_elsewhere(self, models: list[int]) -> int:
+        return sum(int(board[i]) for board in self.boards for i in models)
+
+    def run_here(self, model: str, records: np.ndarray, top_k: int) -> bool:
+        """From a decode thread: the records run in it at once where the model's batcher is idle and runs one batch
+        at a time, as on the CPU (Batcher.try_run_here); False, having done nothing, where they must be run."""
+        return self.batcher(model).try_run_here(records, top_k)
 
     async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None) -> None:
-        """Results written into `records`. Cancelled, it returns only once nothing writes into them any more (the
-        inference process serves records in shared memory that a worker reuses once this answers)."""
-        batcher = self._batcher(model)
+        """Results written into `records`. Cancelled, it returns only once nothing writes into them any more."""
+        batcher = self.batcher(model)
         try:
-            future = batcher.submit(records, top_k, jpegs)
+            entry = batcher.submit(records, top_k, jpegs)
         except QueueFull as e:
             raise overloaded(str(e), self.settings.retry_after_s) from None
         try:
-            await future
+            errors = await entry.future
         except asyncio.CancelledError:
             await batcher.settled()
             raise
+        if errors:  # an image that failed alone fails its request
+            raise next(iter(errors.values()))
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         graph = self.plans[model].graph

@@ -1,19 +1,26 @@
 """The HTTP worker's side of the process backend: records in shared memory, batches in the inference process.
 
 Each worker (a uvicorn process on the shared listening socket) parses and decodes on its own cores, straight
-into its arenas, and sends the inference process one small message per request saying which records to run.
-Results come back in the same records. A request given up (client gone, timeout) is cancelled there too; its
-records stay leased until the inference process answers for it, when nothing writes into them any more. Model
-status is pushed by the inference process; attention results are kept there too, so any worker can answer
-GET /attention-map.
+into its arenas. Its requests for a model wait in an *outbox* and travel to the inference process as *frames*
+(server.py), one message however many requests: at once when none of this worker's frames for the model waits
+in the inference process's queue, else as soon as the waiting one is in a batch that started ("taken"). So a
+lone request goes at once, and under load a batch holds about one frame per worker, each with every request that
+came meanwhile: the one inference process works per frame and per batch, not per request. Results come back in
+the same records, with one "done" per frame. A worker counts on its *board* (shared memory) the requests for each
+model that could still join the batch being gathered (decoding or in the outbox; none while one of its frames
+waits), so that a partial batch waits for those alone. A request given up (client gone, timeout) leaves the
+outbox, or its slots leave the inference process's queue; its records stay leased until its frame's "done", when
+nothing writes into them any more. Model status is pushed by the inference process; attention results are kept
+there too, so any worker can answer GET /attention-map.
 """
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +32,7 @@ from ..errors import Unavailable, from_wire, overloaded
 from ..records import kind_of, record_dtype
 from ..settings import Settings
 from . import ModelStatus, wire
-from .arena import Arena
+from .arena import Arena, map_records
 
 log = logging.getLogger("vitserve")
 
@@ -45,6 +52,30 @@ class _Lease:
             self.arena.give_back(self.start, self.n)
 
 
+@dataclass(eq=False)
+class _Queued:
+    """A request in an outbox, then in a frame until the frame's "done"."""
+    lease: _Lease
+    top_k: int
+    jpegs: list[bytes] | None
+    future: asyncio.Future
+    since: float  # when it was queued here
+    frame: int | None = None
+    sent: float = 0.0
+
+
+@dataclass(eq=False)
+class _Outbox:
+    """A worker's requests for one model: those decoding, those waiting to be sent, and the frames sent that the
+    inference process has not yet put into a batch that started."""
+    model: str
+    index: int  # on the board
+    decoding: int = 0
+    pending: list[_Queued] = field(default_factory=list)
+    queued: set[int] = field(default_factory=set)  # frames
+    flushing: bool = False  # a send is scheduled
+
+
 class ProcessBackend:
     def __init__(self, settings: Settings, socket_path: Path, connect_timeout_s: float = 120.0):
         self.settings, self.socket_path, self.connect_timeout_s = settings, socket_path, connect_timeout_s
@@ -54,9 +85,12 @@ class ProcessBackend:
         self._loaded = asyncio.Event()
         self._arenas: dict[tuple[str, str], Arena] = {}
         self._leases: dict[int, _Lease] = {}  # by the records' address
-        self._pending: dict[int, tuple[asyncio.Future, _Lease | None]] = {}
+        self._outboxes: dict[str, _Outbox] = {}
+        self._frames: dict[int, tuple[_Outbox, list[_Queued]]] = {}  # sent, not yet done
+        self._pending: dict[int, asyncio.Future] = {}  # other questions, by id
         self._ids = iter(range(1, 2**62))
-        self._tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this worker's arenas
+        self._tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this worker's shared memory
+        self._board: np.ndarray | None = None  # requests on their way, per model (entries' order): _tell
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
 
@@ -65,6 +99,10 @@ class ProcessBackend:
         message, _ = await wire.receive(reader)  # hello
         self.entries = [ModelEntry(Path(e["folder"]), e["manifest"]) for e in message["entries"]]
         self.problems = message["problems"]
+        self._outboxes = {e.name: _Outbox(e.name, i) for i, e in enumerate(self.entries)}
+        board = self.socket_path.parent / f"board-{self._tag}"
+        self._board = map_records(board, np.dtype(np.int32), max(1, len(self.entries)), create=True)
+        self._writer.write(wire.pack({"op": "board", "board": board.name}))
         self._set_status(message["status"])
         self._reader_task = asyncio.get_running_loop().create_task(self._read(reader), name="inference-replies")
 
@@ -89,43 +127,63 @@ class ProcessBackend:
         try:
             while True:
                 message, arrays = await wire.receive(reader)
-                if message.get("op") == "status":
+                op = message.get("op")
+                if op == "taken":
+                    self._taken(message["frame"])
+                elif op == "done":
+                    self._done(message["frame"], message["errors"])
+                elif op == "status":
                     self._set_status(message["status"])
-                    continue
-                future, lease = self._pending.pop(message["id"])
-                if lease is not None:
-                    lease.release()
-                if future.done():
-                    continue
-                if "error" in message:
-                    future.set_exception(from_wire(message["error"]))
                 else:
-                    future.set_result((message, arrays))
+                    future = self._pending.pop(message["id"])
+                    if future.done():
+                        continue
+                    if "error" in message:
+                        future.set_exception(from_wire(message["error"]))
+                    else:
+                        future.set_result((message, arrays))
         except (asyncio.IncompleteReadError, ConnectionError):
             log.error("the inference process has gone")
-            gone = Unavailable("the inference process has stopped", "inference_unavailable",
-                               self.settings.retry_after_s)
-            for future, _ in self._pending.values():
+            gone = self._gone()
+            waiting = [*self._pending.values(), *(q.future for _, queued in self._frames.values() for q in queued),
+                       *(q.future for outbox in self._outboxes.values() for q in outbox.pending)]
+            for future in waiting:
                 if not future.done():
                     future.set_exception(gone)
             self._pending.clear()
 
-    async def _ask(self, message: dict, arrays: dict | None = None, lease: _Lease | None = None):
+    def _gone(self) -> Unavailable:
+        return Unavailable("the inference process has stopped", "inference_unavailable", self.settings.retry_after_s)
+
+    def _taken(self, key: int) -> None:
+        """The frame's requests are all in batches that started: the outbox's next frame may go."""
+        outbox, _ = self._frames[key]
+        outbox.queued.discard(key)
+        self._flush(outbox)
+
+    def _done(self, key: int, errors: dict[str, dict]) -> None:
+        """A frame's answer (always after its "taken"): its results are in the records, its slots free once their
+        requests are over."""
+        outbox, queued = self._frames.pop(key)
+        for q in queued:
+            q.lease.release()
+            if q.future.done():
+                continue
+            if (error := errors.get(str(q.lease.start))) is not None:
+                q.future.set_exception(from_wire(error))
+                continue
+            # the queue time a client sees: in the outbox here, then in the inference process
+            q.lease.arena.records["queue_ms"][q.lease.start:q.lease.start + q.lease.n] += (q.sent - q.since) * 1e3
+            q.future.set_result(None)
+
+    async def _ask(self, message: dict, arrays: dict | None = None):
         if self._writer is None or self._reader_task.done():
-            raise Unavailable("the inference process has stopped", "inference_unavailable",
-                              self.settings.retry_after_s)
+            raise self._gone()
         key = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self._pending[key] = (future, lease)
-        if lease is not None:
-            lease.holders += 1  # held until the reply, whatever happens to the caller
+        self._pending[key] = future
         self._writer.write(wire.pack({**message, "id": key}, arrays))
-        try:
-            return await future
-        except asyncio.CancelledError:  # our caller gave up (its client left, or it timed out): so does the work
-            if not self._writer.is_closing():
-                self._writer.write(wire.pack({"op": "cancel", "id": key}))  # the lease is held until the reply
-            raise
+        return await future
 
     async def loaded(self) -> None:
         await self._loaded.wait()
@@ -159,22 +217,75 @@ class ProcessBackend:
 
     @contextmanager
     def preparing(self, model: str) -> Iterator[None]:
-        """Tells the inference process's batcher, so that a partial batch may wait for these images."""
-        self._tell_preparing(model, 1)
+        """Counted on the board, so that the inference process's batcher may wait for these images."""
+        outbox = self._outboxes[model]
+        outbox.decoding += 1
+        self._tell(outbox)
         try:
             yield
         finally:
-            self._tell_preparing(model, -1)
+            outbox.decoding -= 1
+            self._tell(outbox)
 
-    def _tell_preparing(self, model: str, requests: int) -> None:
-        if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(wire.pack({"op": "preparing", "model": model, "requests": requests}))
+    def _tell(self, outbox: _Outbox) -> None:
+        """The board's count for the model: the requests that could still join the batch being gathered, so none
+        while one of this worker's frames waits to be taken (what comes meanwhile goes in the next frame)."""
+        self._board[outbox.index] = 0 if outbox.queued else outbox.decoding + len(outbox.pending)
+
+    def run_here(self, model: str, records: np.ndarray, top_k: int) -> bool:
+        return False  # the sessions are in the inference process
 
     async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None) -> None:
-        lease = self._leases[records.ctypes.data]
-        arrays = {f"jpeg/{i}": np.frombuffer(data, np.uint8) for i, data in enumerate(jpegs or [])}
-        await self._ask({"op": "run", "model": model, "kind": kind_of(records), "arena": lease.arena.path.name,
-                         "start": lease.start, "count": lease.n, "top_k": top_k}, arrays, lease=lease)
+        if self._writer is None or self._reader_task.done():
+            raise self._gone()
+        outbox = self._outboxes[model]
+        q = _Queued(self._leases[records.ctypes.data], top_k, jpegs, asyncio.get_running_loop().create_future(),
+                    time.perf_counter())
+        outbox.pending.append(q)
+        self._tell(outbox)
+        if not outbox.queued and not outbox.flushing:  # after this turn of the loop: others may join
+            outbox.flushing = True
+            asyncio.get_running_loop().call_soon(self._flush, outbox)
+        try:
+            await q.future
+        except asyncio.CancelledError:  # our caller gave up (its client left, or it timed out): so does the work
+            if q.frame is None:
+                outbox.pending.remove(q)
+                self._tell(outbox)
+            elif q.frame in self._frames and not self._writer.is_closing():
+                self._writer.write(wire.pack({"op": "cancel", "frame": q.frame, "start": q.lease.start,
+                                              "count": q.lease.n}))
+            raise
+
+    def _flush(self, outbox: _Outbox) -> None:
+        """The outbox's requests as one frame per kind, unless the inference process still holds frames of it
+        that no batch has taken."""
+        outbox.flushing = False
+        if outbox.queued or not outbox.pending or self._writer.is_closing():
+            return
+        now = time.perf_counter()
+        by_arena: dict[Arena, list[_Queued]] = {}
+        for q in outbox.pending:
+            by_arena.setdefault(q.lease.arena, []).append(q)
+        outbox.pending = []
+        for arena, queued in by_arena.items():
+            key = next(self._ids)
+            for q in queued:
+                q.lease.holders += 1  # held until the frame's "done", whatever happens to the request
+                q.frame, q.sent = key, now
+            arrays = {"start": np.array([q.lease.start for q in queued], np.int32),
+                      "count": np.array([q.lease.n for q in queued], np.int32),
+                      "top_k": np.array([q.top_k for q in queued], np.int32)}
+            kind = kind_of(arena.records)
+            if kind == "jpeg":
+                jpegs = [data for q in queued for data in q.jpegs]
+                arrays["jpegs"] = np.frombuffer(b"".join(jpegs), np.uint8)
+                arrays["jpeg_size"] = np.array([len(data) for data in jpegs], np.int64)
+            self._frames[key] = (outbox, queued)
+            outbox.queued.add(key)
+            self._writer.write(wire.pack({"op": "run", "frame": key, "model": outbox.model, "kind": kind,
+                                          "arena": arena.path.name}, arrays))
+        self._tell(outbox)
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         _, arrays = await self._ask({"op": "explain", "model": model}, {"image": image})
@@ -197,3 +308,4 @@ class ProcessBackend:
             await asyncio.gather(self._reader_task, return_exceptions=True)
         for arena in self._arenas.values():
             arena.close()
+        (self.socket_path.parent / f"board-{self._tag}").unlink(missing_ok=True)

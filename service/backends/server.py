@@ -1,23 +1,29 @@
 """The inference process of the process backend: a LocalBackend (sessions, batchers, attention cache) serving
 the HTTP workers over a Unix socket.
 
-A worker's `run` message names records in its shared-memory arena; the batcher gathers them with other
-workers' records into one batch, and the results are written back into those same records before the reply.
-Batches are post-processed here, once each, vectorised (softmax, top-k, rows copied out). Model status is
-pushed to every worker as it changes, so readiness answers locally. SIGTERM (from the supervisor, once the
-workers have drained) stops it; SIGINT is left to the supervisor.
+Its work per request is what keeps a GPU host's throughput down, since it is one process: so a worker sends
+its requests for a model in *frames*, one message for all the requests it holds (their slots in its
+shared-memory arena, as arrays), and gets two messages back per frame: "taken" once the frame's requests are all
+in batches (the worker then sends the next frame, with whatever came meanwhile) and "done" once every result is
+written into the records, with the errors of any request that failed. The batcher gathers the records of every
+worker's frames into one batch, and results are written back per worker in one numpy call per output
+(records.spans). A worker counts the requests it is decoding in shared memory too (its *board*), so a partial
+batch waits for them without a message. Model status is pushed to every worker as it changes, so readiness
+answers locally. SIGTERM (from the supervisor, once the workers have drained) stops it; SIGINT is left to the
+supervisor.
 """
 import asyncio
 import dataclasses
 import gc
 import logging
 import signal
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import ServiceError, to_wire
+from ..batching import Batcher, Entry
+from ..errors import ServiceError, overloaded, to_wire
 from ..metrics import Metrics
 from ..records import record_dtype
 from ..settings import Settings
@@ -28,6 +34,19 @@ from .local import LocalBackend
 log = logging.getLogger("vitserve")
 
 
+@dataclasses.dataclass(eq=False)
+class Frame:
+    """One worker's requests for one model and kind, sent as one message and queued as one batcher entry."""
+    key: int
+    writer: asyncio.StreamWriter
+    starts: np.ndarray  # each request's first slot and slot count, in the frame's order
+    counts: np.ndarray
+    batcher: Batcher | None = None
+    entry: Entry | None = None
+    taken: bool = False  # told
+    errors: dict[str, dict] = dataclasses.field(default_factory=dict)  # by a request's first slot
+
+
 class InferenceServer:
     def __init__(self, settings: Settings, socket_path: Path):
         self.settings, self.socket_path = settings, socket_path
@@ -35,6 +54,7 @@ class InferenceServer:
         self.entries = {e.name: e for e in self.backend.entries}
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._frames: dict[tuple[asyncio.StreamWriter, int], Frame] = {}  # open frames, by worker and key
 
     def _status_message(self) -> dict:
         return {"op": "status", "status": {k: dataclasses.asdict(v) for k, v in self.backend.status().items()}}
@@ -53,7 +73,8 @@ class InferenceServer:
         log.info("inference process ready for workers at %s", self.socket_path)
         await stop.wait()
         server.close()
-        await asyncio.gather(*self._tasks, return_exceptions=True)  # what the workers still wait for
+        while self._frames or self._tasks:  # what the workers still wait for
+            await asyncio.sleep(0.01)
         await self.backend.close()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -62,32 +83,108 @@ class InferenceServer:
         writer.write(wire.pack({"op": "hello", "entries": entries, "problems": self.backend.problems,
                                 **self._status_message()}))
         self._writers.add(writer)
-        mine: dict[int, asyncio.Task] = {}  # by message id
-        preparing: dict[str, int] = {}  # by model: requests this worker is decoding
+        board = None
         try:
             while True:
                 message, arrays = await wire.receive(reader)
-                if message["op"] == "preparing":  # no answer: partial batches may wait for these images
-                    preparing[message["model"]] = preparing.get(message["model"], 0) + message["requests"]
-                    self.backend.expect(message["model"], message["requests"])
-                    continue
-                if message["op"] == "cancel":  # its client has gone: stop the work, then answer for it
-                    task = mine.get(message["id"])
-                    if task is not None and task.cancel():
-                        self._track(self._answer_cancelled(task, message["id"], writer))
-                    continue
-                key = message["id"]
-                mine[key] = self._track(self._answer(message, arrays, arenas, writer))
-                mine[key].add_done_callback(lambda _, key=key: mine.pop(key, None))
+                op = message["op"]
+                if op == "run":
+                    self._submit(message, arrays, arenas, writer)
+                elif op == "cancel":
+                    self._cancel(writer, message)
+                elif op == "board":
+                    board = map_records(self.socket_path.parent / message["board"], np.dtype(np.int32),
+                                        max(1, len(self.backend.entries)))
+                    self.backend.boards.append(board)
+                else:
+                    self._track(self._answer(message, arrays, writer))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the worker has gone: its queued requests are abandoned
         finally:
             self._writers.discard(writer)
-            for model, requests in preparing.items():
-                self.backend.expect(model, -requests)
-            for task in list(mine.values()):
-                task.cancel()
+            if board is not None:
+                self.backend.boards.remove(board)
+            for (owner, _), frame in list(self._frames.items()):
+                if owner is writer and frame.entry is not None:
+                    frame.entry.future.cancel()
             writer.close()
+
+    def _submit(self, message: dict, arrays: dict, arenas: dict, writer: asyncio.StreamWriter) -> None:
+        """A frame's requests onto the batcher as one entry: the slots of the worker's arena they filled. Requests
+        the queue has no room for are refused, the frame's last ones first."""
+        model, kind = message["model"], message["kind"]
+        key = message["arena"]
+        if key not in arenas:
+            dtype = record_dtype(self.entries[model], kind)
+            path = self.socket_path.parent / key
+            arenas[key] = map_records(path, dtype, path.stat().st_size // dtype.itemsize)
+        starts, counts = arrays["start"], arrays["count"]
+        frame = self._frames[writer, message["frame"]] = Frame(message["frame"], writer, starts, counts)
+        try:
+            frame.batcher = batcher = self.backend.batcher(model)
+        except ServiceError as e:
+            return self._refuse_all(frame, e)
+        ends = np.cumsum(counts)
+        fits = int(np.searchsorted(ends, batcher.room, "right"))
+        if fits < len(starts):
+            busy = overloaded(f"{model} is busy: {batcher.depth} images are queued, and more would pass its limit of "
+                              f"{batcher.queue_limit}; retry later", self.settings.retry_after_s)
+            if not fits:
+                return self._refuse_all(frame, busy)
+            self._fail(frame, range(fits, len(starts)), busy)
+        images = int(ends[fits - 1])
+        rows = np.repeat(starts[:fits] - (ends[:fits] - counts[:fits]), counts[:fits]) + np.arange(images)
+        jpegs = None
+        if kind == "jpeg":
+            edges = np.concatenate([[0], np.cumsum(arrays["jpeg_size"][:images])]).tolist()
+            blob = arrays["jpegs"].tobytes()
+            jpegs = [blob[a:b] for a, b in zip(edges, edges[1:])]
+        frame.entry = batcher.submit(arenas[key], int(arrays["top_k"][:fits].max()), jpegs, rows,
+                                     on_taken=lambda: self._taken(frame))
+        frame.entry.future.add_done_callback(lambda future: self._finished(frame, future))
+
+    def _fail(self, frame: Frame, requests: Iterable[int], error: Exception) -> None:
+        if not isinstance(error, ServiceError):
+            error = ServiceError(f"the inference process failed: {type(error).__name__}: {error}")
+        frame.errors.update((str(frame.starts[i]), to_wire(error)) for i in requests)
+
+    def _refuse_all(self, frame: Frame, error: ServiceError) -> None:
+        self._fail(frame, range(len(frame.starts)), error)
+        self._done(frame)
+
+    def _cancel(self, writer: asyncio.StreamWriter, message: dict) -> None:
+        """A client has gone: its request's slots leave the queue, those not yet in a batch."""
+        frame = self._frames.get((writer, message["frame"]))
+        if frame is not None and frame.entry is not None:
+            frame.batcher.drop(frame.entry, message["start"], message["start"] + message["count"])
+
+    def _finished(self, frame: Frame, future: asyncio.Future) -> None:
+        if future.cancelled():  # the worker has gone, or the process stops: nobody to answer
+            self._frames.pop((frame.writer, frame.key), None)
+            return
+        if (error := future.exception()) is not None:  # the batch failed: every request in it
+            self._fail(frame, range(len(frame.starts)), error)
+        else:
+            for row, failed in future.result().items():  # images that failed alone: their requests
+                owner = np.flatnonzero((frame.starts <= row) & (row < frame.starts + frame.counts))[0]
+                self._fail(frame, [owner], failed)
+        self._done(frame)
+
+    def _tell(self, frame: Frame, message: dict) -> None:
+        if not frame.writer.is_closing():
+            frame.writer.write(wire.pack(message))
+
+    def _taken(self, frame: Frame) -> None:
+        """The frame's requests are all in batches that started: the worker may send the next."""
+        if not frame.taken:
+            frame.taken = True
+            self._tell(frame, {"op": "taken", "frame": frame.key})
+
+    def _done(self, frame: Frame) -> None:
+        """The frame's answer: the worker frees its slots on it."""
+        self._taken(frame)
+        self._frames.pop((frame.writer, frame.key), None)
+        self._tell(frame, {"op": "done", "frame": frame.key, "errors": frame.errors})
 
     def _track(self, work: Coroutine) -> asyncio.Task:
         """`work` as a task that stopping waits for."""
@@ -96,18 +193,10 @@ class InferenceServer:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _answer_cancelled(self, task: asyncio.Task, key: int, writer: asyncio.StreamWriter) -> None:
-        """The reply to a cancelled request, once its task has ended: LocalBackend.run returns only when nothing
-        writes into the request's records any more, and the worker frees them on this reply."""
-        await asyncio.wait({task})
-        if not writer.is_closing():
-            writer.write(wire.pack({"id": key, "error": to_wire(ServiceError("cancelled: its client has gone",
-                                                                             "cancelled"))}))
-
-    async def _answer(self, message: dict, arrays: dict, arenas: dict, writer: asyncio.StreamWriter) -> None:
+    async def _answer(self, message: dict, arrays: dict, writer: asyncio.StreamWriter) -> None:
         reply, out = {"id": message["id"]}, {}
         try:
-            reply_fields, out = await self._handle(message, arrays, arenas)
+            reply_fields, out = await self._handle(message, arrays)
             reply.update(reply_fields)
         except ServiceError as e:
             reply["error"] = to_wire(e)
@@ -117,18 +206,8 @@ class InferenceServer:
         if not writer.is_closing():
             writer.write(wire.pack(reply, out))
 
-    async def _handle(self, message: dict, arrays: dict, arenas: dict) -> tuple[dict, dict]:
+    async def _handle(self, message: dict, arrays: dict) -> tuple[dict, dict]:
         op, backend = message["op"], self.backend
-        if op == "run":
-            key = message["arena"]
-            if key not in arenas:
-                dtype = record_dtype(self.entries[message["model"]], message["kind"])
-                path = self.socket_path.parent / key
-                arenas[key] = map_records(path, dtype, path.stat().st_size // dtype.itemsize)
-            start, count = message["start"], message["count"]
-            jpegs = [arrays[f"jpeg/{i}"].tobytes() for i in range(count)] if message["kind"] == "jpeg" else None
-            await backend.run(message["model"], arenas[key][start:start + count], message["top_k"], jpegs)
-            return {}, {}
         if op == "explain":
             layers = await backend.explain(message["model"], arrays["image"])
             return {}, {str(i): layer for i, layer in enumerate(layers)}

@@ -1,11 +1,13 @@
 """Messages between HTTP workers and the inference process, over a Unix socket.
 
-A frame is a JSON header and, after it, the raw bytes of any arrays it carries (their names, dtypes and shapes
+A message is a JSON header and, after it, the raw bytes of any arrays it carries (their names, dtypes and shapes
 are in the header): no pickle, so nothing but plain data crosses. Image records do not travel here at all:
-they live in shared memory (arena.py), and a message only says where.
+they live in shared memory (arena.py), and a message only says where: a worker's frame of requests is one
+header and three small arrays (each request's first slot, its slot count and its top-k), whatever their number.
 """
 import asyncio
 import json
+import math
 import struct
 
 import numpy as np
@@ -23,13 +25,13 @@ def pack(message: dict, arrays: dict[str, np.ndarray] | None = None) -> bytes:
 
 
 async def receive(reader: asyncio.StreamReader) -> tuple[dict, dict[str, np.ndarray]]:
-    """The next frame; asyncio.IncompleteReadError when the other side has gone."""
+    """The next message; asyncio.IncompleteReadError when the other side has gone."""
     header_size, blob_size = _SIZES.unpack(await reader.readexactly(_SIZES.size))
-    message = json.loads(await reader.readexactly(header_size))
-    blob = await reader.readexactly(blob_size) if blob_size else b""
+    body = await reader.readexactly(header_size + blob_size)
+    message, blob = json.loads(body[:header_size]), memoryview(body)[header_size:]
     arrays, offset = {}, 0
     for name, dtype, shape in message.pop("arrays"):
-        a = np.frombuffer(blob, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
+        a = np.frombuffer(blob, np.dtype(dtype), math.prod(shape), offset).reshape(shape)
         arrays[name] = a
         offset += a.nbytes
     return message, arrays
