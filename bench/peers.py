@@ -343,7 +343,11 @@ def measure(running: dict[str, Running], loads: list[tuple[str, str, wrk.Request
                 continue
             if name != awake:
                 only_awake(running, awake := name)
-            figures = wrk.run(running[name].url, request, c, seconds)
+            try:
+                figures = wrk.run(running[name].url, request, c, seconds)
+            except RuntimeError as e:  # the server refused or dropped the connection: say so, and go on
+                print(f"round {r + 1}: {name} {route} {c} clients: {e}", flush=True)
+                continue
             results.setdefault((name, route, c), []).append(figures)
             if figures.errors:
                 print(f"round {r + 1}: {name} {route} {c} clients: {figures.errors} wrk errors (non-2xx, "

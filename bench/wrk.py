@@ -82,9 +82,11 @@ def run(url: str, request: Request, clients: int, seconds: float, threads: int =
         (folder / "post.lua").write_text(SCRIPT)
         env = {"WRK_BODY": str(folder / "body"), "WRK_OUT": str(folder / "out.json"),
                "WRK_HEADERS": "\n".join(f"{k}: {v}" for k, v in request.headers.items()), "PATH": "/usr/bin:/bin"}
-        subprocess.run(["wrk", "-t", str(min(threads, clients)), "-c", str(clients), "-d", f"{seconds:g}s",
-                        "--timeout", "30s", "-s", str(folder / "post.lua"), url + request.path],
-                       env=env, check=True, capture_output=True)
+        done = subprocess.run(["wrk", "-t", str(min(threads, clients)), "-c", str(clients), "-d", f"{seconds:g}s",
+                               "--timeout", "30s", "-s", str(folder / "post.lua"), url + request.path],
+                              env=env, capture_output=True, text=True)
+        if done.returncode or not (folder / "out.json").exists():
+            raise RuntimeError(f"wrk failed ({done.returncode}): {(done.stderr or done.stdout).strip()[-500:]}")
         out = json.loads((folder / "out.json").read_text())
     errors = sum(out[k] for k in ("connect", "read", "write", "status", "timeout"))
     per_s = (out["requests"] - out["status"]) / (out["duration_us"] / 1e6)

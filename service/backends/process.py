@@ -165,6 +165,7 @@ class ProcessBackend:
         """A frame's answer (always after its "taken"): its results are in the records, its slots free once their
         requests are over."""
         outbox, queued = self._frames.pop(key)
+        outbox.queued.discard(key)
         for q in queued:
             q.lease.release()
             if q.future.done():
