@@ -76,7 +76,9 @@ class ApiKey:
 
 class CancelOnDisconnect:
     """Cancels a request's handling when its client goes away once the body is in, so that its images leave the
-    batcher's queue instead of being computed for nobody (a client that leaves mid-upload fails the body read)."""
+    batcher's queue instead of being computed for nobody (a client that leaves mid-upload fails the body read).
+    The handling runs in the request's own task, which a watcher cancels: no task of its own to start and wait for
+    on every request's way."""
 
     def __init__(self, app):
         self.app = app
@@ -85,6 +87,7 @@ class CancelOnDisconnect:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         body_read = asyncio.Event()
+        handling, gone = asyncio.current_task(), False
 
         async def tracked_receive():
             message = await receive()
@@ -92,22 +95,20 @@ class CancelOnDisconnect:
                 body_read.set()
             return message
 
-        handling = asyncio.ensure_future(self.app(scope, tracked_receive, send))
-        gone = False
-
         async def watch():
             nonlocal gone
             await body_read.wait()
             if (await receive())["type"] == "http.disconnect":  # after the answer, uvicorn says so at once
                 gone = True
-                handling.cancel()
+                handling.cancel()  # it waits on something (the watcher runs only then): it stops there
 
         watcher = asyncio.ensure_future(watch())
         try:
-            await handling
+            await self.app(scope, tracked_receive, send)
         except asyncio.CancelledError:
             if not gone:  # cancelled from outside (shutdown), not by the client leaving: pass it on
                 raise
+            handling.uncancel()  # the task goes on, for the server's own ending of the request
         finally:
             watcher.cancel()
 
