@@ -159,7 +159,6 @@ class Batcher:
         for owner, part in self._gathering:
             if owner is entry:
                 part.rows, part.jpegs, gone = _without(part.rows, part.jpegs, first, stop)
-                part.size -= gone
                 entry.left -= gone
         if waiting and not count(entry.rows):
             self._waiting.remove(entry)

@@ -73,7 +73,10 @@ class Part:
 
     def __post_init__(self):
         self.kind = self.kind or kind_of(self.records)
-        self.size = count(self.rows)
+
+    @property
+    def size(self) -> int:
+        return count(self.rows)
 
 
 @dataclass
@@ -87,6 +90,14 @@ class Span:
     batch: slice
     parts: list[Part]
 
+    @property
+    def kind(self) -> str:
+        return self.parts[0].kind
+
+    @property
+    def size(self) -> int:
+        return self.batch.stop - self.batch.start
+
 
 def _as_slice(rows: Rows) -> Rows:
     if isinstance(rows, slice) or not len(rows) or rows[-1] - rows[0] != len(rows) - 1:
@@ -95,6 +106,8 @@ def _as_slice(rows: Rows) -> Rows:
 
 
 def spans(parts: list[Part]) -> list[Span]:
+    """The batch's parts (in the batch's order: JPEGs and images before tensors) as spans, for host_inputs and
+    write_results."""
     out, row = [], 0
     for part in parts:
         span = out[-1] if out else None
@@ -115,21 +128,20 @@ def spans(parts: list[Part]) -> list[Span]:
 def _gather(field: str, batch: list[Span], out: np.ndarray) -> np.ndarray:
     row = 0
     for span in batch:
-        n = span.batch.stop - span.batch.start
-        out[row:row + n] = span.records[field][span.rows]  # (np.take into `out` is 10x slower on a field's rows)
-        row += n
+        out[row:row + span.size] = span.records[field][span.rows]  # (np.take into `out`: 10x slower on a field)
+        row += span.size
     return out
 
 
-def host_inputs(parts: list[Part], size: tuple[int, int], empty_images: Callable[[int], np.ndarray]
+def host_inputs(batch: list[Span], size: tuple[int, int], empty_images: Callable[[int], np.ndarray]
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """The batch's uint8 images and float pixel_values from its "image" and "tensor" parts, in the parts' order;
-    the images gathered into `empty_images(count)` (Runner.host_batch: page-locked memory on CUDA)."""
+    """The batch's uint8 images and float pixel_values from its "image" and "tensor" spans, in their order; the
+    images gathered into `empty_images(count)` (Runner.host_batch: page-locked memory on CUDA)."""
     h, w = size
-    images = spans([p for p in parts if p.kind == "image"])
-    tensors = spans([p for p in parts if p.kind == "tensor"])
-    gathered = _gather("image", images, empty_images(images[-1].batch.stop if images else 0))
-    pixels = np.empty((tensors[-1].batch.stop if tensors else 0, 3, h, w), np.float32)
+    images = [span for span in batch if span.kind == "image"]
+    tensors = [span for span in batch if span.kind == "tensor"]
+    gathered = _gather("image", images, empty_images(sum(span.size for span in images)))
+    pixels = np.empty((sum(span.size for span in tensors), 3, h, w), np.float32)
     return gathered, _gather("tensor", tensors, pixels)
 
 
@@ -153,16 +165,18 @@ def top_k(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return index, np.take_along_axis(scores, order, axis=1)
 
 
-def write_results(parts: list[Part], outputs: dict[str, np.ndarray], queue_ms: list[float],
+def write_results(batch: list[Span], outputs: dict[str, np.ndarray], queue_ms: list[float],
                   inference_ms: float) -> None:
     """Each part's rows of every output, softmax and top-k into its records, in the batch's order (images before
-    tensors): one vectorised pass per batch, one numpy call per field and span."""
+    tensors), `queue_ms` being each part's wait: one vectorised pass per batch, one numpy call per field and
+    span."""
+    parts = [part for span in batch for part in span.parts]
     probs = softmax(outputs["logits"].astype(np.float32))
     k = min(max(p.top_k for p in parts), probs.shape[1], MAX_TOP_K)
     index, score = top_k(probs, k)
     waited = np.repeat(np.asarray(queue_ms, np.float32), [p.size for p in parts])
-    batch = len(waited)
-    for span in spans(parts):
+    size = len(waited)
+    for span in batch:
         records, rows, of = span.records, span.rows, span.batch
         for name, value in outputs.items():
             records[name][rows] = value[of]
@@ -170,4 +184,4 @@ def write_results(parts: list[Part], outputs: dict[str, np.ndarray], queue_ms: l
         records["top_index"][rows, :k] = index[of]
         records["top_score"][rows, :k] = score[of]
         records["batch_size"][rows], records["queue_ms"][rows], records["inference_ms"][rows] = (
-            batch, waited[of], inference_ms)
+            size, waited[of], inference_ms)

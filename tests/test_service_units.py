@@ -25,7 +25,7 @@ from service.cache import AttentionCache, AttentionRecord
 from service.decode import decode, model_input
 from service.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
 from service.metrics import Metrics
-from service.records import Part, host_inputs, record_dtype, top_k, write_results
+from service.records import Part, host_inputs, record_dtype, spans, top_k, write_results
 from service.runtime import CPU, CUDA, Runner, graph_batches, open_session, serving_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +150,7 @@ def test_a_batch_writes_each_request_its_own_rows_images_first():
     logits = np.arange(5 * 6, dtype=np.float32).reshape(5, 6) % 7
     outputs = {"logits": logits, "cls_attention": np.random.default_rng(0).random((5, 4, 144), np.float32),
                "dist_attention": np.zeros((5, 4, 144), np.float32)}
-    write_results(parts, outputs, [1.0, 2.0, 3.0], 9.0)
+    write_results(spans(parts), outputs, [1.0, 2.0, 3.0], 9.0)
     np.testing.assert_array_equal(images[0]["logits"], logits[0:2])
     np.testing.assert_array_equal(images[1]["cls_attention"][0], outputs["cls_attention"][2])
     np.testing.assert_array_equal(tensors["logits"][1:], logits[3:5])
@@ -166,7 +166,7 @@ def test_a_batch_gathers_its_images_in_the_parts_order_into_the_buffer_it_is_giv
     tensors["tensor"] = 7
     buffer = np.zeros((8, *first["image"].shape[1:]), np.uint8)  # as Runner.host_batch's page-locked one
     parts = [Part(first, slice(1, 3), 1), Part(tensors, slice(0, 2), 1), Part(second, np.array([0]), 1)]
-    gathered, pixels = host_inputs(parts, entry().policy.size, lambda n: buffer[:n])
+    gathered, pixels = host_inputs(spans(parts), entry().policy.size, lambda n: buffer[:n])
     assert np.shares_memory(gathered, buffer) and gathered[:, 0, 0, 0].tolist() == [2, 3, 4]
     assert pixels.shape == (2, *tensors["tensor"].shape[1:]) and (pixels == 7).all()
 

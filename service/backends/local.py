@@ -21,7 +21,7 @@ from ..cache import AttentionCache, AttentionRecord
 from ..decode import decode, model_input
 from ..errors import BadInput, NotFound, overloaded
 from ..metrics import Metrics
-from ..records import Part, host_inputs, record_dtype, row_numbers, write_results
+from ..records import Part, host_inputs, record_dtype, row_numbers, spans, write_results
 from ..runtime import CUDA, Plan, Runner, choose_device, serving_plan
 from ..settings import Settings
 from . import ModelStatus
@@ -138,13 +138,14 @@ class LocalBackend:
         runner, policy = self.runners[graph], self._by_name[graph].policy
 
         def run(parts: list[Part], queue_ms: list[float]) -> float:
-            images, tensors = host_inputs(parts, policy.size, runner.host_batch)
+            batch = spans(parts)
+            images, tensors = host_inputs(batch, policy.size, runner.host_batch)
             if jpegs := [p for p in parts if p.kind == "jpeg"]:
                 images = self._decode_jpegs(graph, jpegs, images)
             start = time.perf_counter()
             outputs = runner.run(images, tensors)
             elapsed = time.perf_counter() - start
-            write_results(parts, outputs, queue_ms, elapsed * 1e3)
+            write_results(batch, outputs, queue_ms, elapsed * 1e3)
             return elapsed
 
         return run

@@ -177,9 +177,12 @@ class ProcessBackend:
             q.lease.arena.records["queue_ms"][q.lease.start:q.lease.start + q.lease.n] += (q.sent - q.since) * 1e3
             q.future.set_result(None)
 
-    async def _ask(self, message: dict, arrays: dict | None = None):
+    def _check_connected(self) -> None:
         if self._writer is None or self._reader_task.done():
             raise self._gone()
+
+    async def _ask(self, message: dict, arrays: dict | None = None):
+        self._check_connected()
         key = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[key] = future
@@ -237,8 +240,7 @@ class ProcessBackend:
         return False  # the sessions are in the inference process
 
     async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None) -> None:
-        if self._writer is None or self._reader_task.done():
-            raise self._gone()
+        self._check_connected()
         outbox = self._outboxes[model]
         q = _Queued(self._leases[records.ctypes.data], top_k, jpegs, asyncio.get_running_loop().create_future(),
                     time.perf_counter())
