@@ -1,6 +1,7 @@
 """ASGI middleware: the request-body limit, the API key, cancelling what a departed client asked for, and
 per-route request metrics."""
 import asyncio
+import contextlib
 import hmac
 import time
 
@@ -14,41 +15,72 @@ class _BodyTooLarge(Exception):
 
 class BodyLimit:
     """413 for request bodies over the limit: at once from Content-Length, else while the body streams in,
-    so an oversized upload is never buffered whole. The server reads and drops the rest of a refused body, so
-    the client reads the answer (a client that asked `Expect: 100-continue`, as curl does, sends none of it)."""
+    so an oversized upload is never buffered whole.
+
+    An answer given before the body was read (this 413, a 401 or 404 that needs no body) is followed by a
+    lingering close, as nginx calls it: the rest of the body is read and dropped, for at most LINGER_S seconds
+    and LINGER_BYTES bytes, before the answer ends. A client that sends its whole body before it reads, as
+    Python's urllib does, then reads the answer, where a socket closed with unread data would have been reset
+    under it. A client that asked `Expect: 100-continue` (curl) and was not told to go on sends nothing: none
+    is waited for."""
+
+    LINGER_S = 5.0
+    LINGER_BYTES = 256 * 2**20
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
-    def too_large(self):
-        return error_response(413, "too_large", f"the request body is over the {self.max_bytes}-byte limit")
+    def too_large(self, path: str):
+        return error_response(413, "too_large", f"the request body is over the {self.max_bytes}-byte limit",
+                              path=path)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self.too_large()(scope, receive, send)
-        received, started = 0, False
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        received, read, started = 0, False, False
+        ended = length in (None, b"0") and b"transfer-encoding" not in headers  # no body at all
 
         async def limited_receive():
-            nonlocal received
+            nonlocal received, read, ended
+            read = True
             message = await receive()
             received += len(message.get("body", b""))
+            ended = message["type"] != "http.request" or not message.get("more_body", False)
             if received > self.max_bytes:
                 raise _BodyTooLarge
             return message
 
-        async def tracked_send(message):
+        async def lingering_send(message):
             nonlocal started
             started = started or message["type"] == "http.response.start"
-            await send(message)
+            waiting = not read and headers.get(b"expect", b"").lower() == b"100-continue"
+            if message["type"] != "http.response.body" or message.get("more_body", False) or ended or waiting:
+                return await send(message)
+            await send({**message, "more_body": True})
+            await self._discard(receive)
+            await send({"type": "http.response.body", "body": b""})
 
         try:
-            await self.app(scope, limited_receive, tracked_send)
+            if length is not None and length.isdigit() and int(length) > self.max_bytes:
+                await self.too_large(scope.get("path", ""))(scope, receive, lingering_send)
+            else:
+                await self.app(scope, limited_receive, lingering_send)
         except _BodyTooLarge:
             if not started:
-                await self.too_large()(scope, receive, send)
+                await self.too_large(scope.get("path", ""))(scope, receive, lingering_send)
+
+    async def _discard(self, receive) -> None:
+        """Read the request's body to its end, within the bounds."""
+        dropped = 0
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.LINGER_S):
+                while dropped < self.LINGER_BYTES:
+                    message = await receive()
+                    dropped += len(message.get("body", b""))
+                    if message["type"] != "http.request" or not message.get("more_body", False):
+                        return
 
 
 class ApiKey:

@@ -7,13 +7,17 @@ One input per request, either of the graph's two:
   images        UINT8 [B, H, W, 3], pixels at the input size: a quarter of the bytes, normalised in the graph.
 Outputs (logits and attention outputs) come back as JSON, or as binary where the request asks for it
 (`binary_data` per output, or `binary_data_output` for all): then no float is formatted as text.
+Every answer is strict JSON: FP32 input that is not finite (NaN, infinity, or past FP32's range, as 1e39) is a
+400, and an output value that is not finite (a model can overflow on huge finite input) is written as null.
 """
 import json
 from functools import cache
 from importlib.metadata import version
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, Field, ValidationError
 
 from ..errors import BadInput, NotFound
 from ..pipeline import Pipeline, Pipelines
@@ -35,16 +39,61 @@ def _model(request: Request, name: str, version_: str | None) -> Pipeline:
     return pipelines.pipelines[name]
 
 
-# the inference route first: routes are matched in order, and this one carries the load
-def parse_request(body: bytes, header_length: str | None, inputs: list[dict]) -> tuple[dict, np.ndarray]:
-    """The request's JSON header and its one input batch, checked against the model's `inputs` (metadata)."""
-    json_end = int(header_length) if header_length else len(body)
+class InputParameters(BaseModel):
+    binary_data_size: int | None = Field(None, ge=0)
+
+
+class RequestInput(BaseModel):
+    name: str
+    shape: list[int]
+    datatype: str
+    data: Any = None  # JSON numbers, flat or nested; absent when the tensor travels as binary
+    parameters: InputParameters = InputParameters()
+
+
+class OutputParameters(BaseModel):
+    binary_data: bool | None = None
+
+
+class RequestOutput(BaseModel):
+    name: str
+    parameters: OutputParameters = OutputParameters()
+
+
+class RequestParameters(BaseModel):
+    binary_data_output: bool = False
+
+
+class InferenceRequest(BaseModel):
+    """The request's JSON (the binary tensors that may follow it are not part of it)."""
+    id: str | None = None
+    inputs: list[RequestInput] = Field(min_length=1, max_length=1)
+    outputs: list[RequestOutput] | None = None
+    parameters: RequestParameters = RequestParameters()
+
+
+def _json_end(body: bytes, header_length: str | None) -> int:
+    if header_length is None:
+        return len(body)
+    if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
+        raise BadInput(f"{HEADER_LENGTH} {header_length!r} is not the length of the JSON that starts the body "
+                       f"({len(body)} bytes)")
+    return int(header_length)
+
+
+def parse_request(body: bytes, header_length: str | None, inputs: list[dict]) -> tuple[InferenceRequest, np.ndarray]:
+    """The request's JSON header and its one input batch, checked against the model's `inputs` (metadata).
+    Pydantic's JSON parser bounds the nesting (a body nested 5,000 deep is a 400, not a RecursionError)."""
+    json_end = _json_end(body, header_length)
     try:
-        header = json.loads(body[:json_end])
-        (tensor,) = header["inputs"]
-        name, shape, datatype = tensor["name"], [int(d) for d in tensor["shape"]], tensor["datatype"]
-    except (ValueError, KeyError, TypeError):
-        raise BadInput("expected a JSON body with exactly one input tensor {name, shape, datatype, data}") from None
+        header = InferenceRequest.model_validate_json(body[:json_end])
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise BadInput("expected a JSON body with exactly one input tensor {name, shape, datatype, data}: "
+                       + f"{where}: {first['msg']}".strip(": ")) from None
+    tensor = header.inputs[0]
+    name, shape, datatype = tensor.name, tensor.shape, tensor.datatype
     wanted = next((i for i in inputs if i["name"] == name), None)
     if wanted is None or wanted["datatype"] != datatype:
         raise BadInput(f"input {name!r} {datatype}; this model takes "
@@ -52,38 +101,50 @@ def parse_request(body: bytes, header_length: str | None, inputs: list[dict]) ->
     if len(shape) != 4 or shape[1:] != wanted["shape"][1:] or shape[0] < 1:
         raise BadInput(f"input shape {shape}; this model takes {wanted['shape']} for {datatype}")
     count, dtype = int(np.prod(shape)), DATATYPES[datatype]
-    size = tensor.get("parameters", {}).get("binary_data_size")
+    size = tensor.parameters.binary_data_size
     try:
         if size is not None:
-            data = np.frombuffer(body[json_end:json_end + int(size)], dtype=dtype)
+            data = np.frombuffer(body[json_end:json_end + size], dtype=dtype)
         else:
-            data = np.asarray(tensor["data"], dtype=dtype).ravel()
-    except (KeyError, ValueError, TypeError, OverflowError):
+            with np.errstate(over="ignore"):  # past FP32's range becomes inf, refused below
+                data = np.asarray(tensor.data, dtype=dtype).ravel()
+    except (ValueError, TypeError, OverflowError):
         raise BadInput("input data is missing or not numbers") from None
     if data.size != count:
         raise BadInput(f"input has {data.size} values for shape {shape} ({count})")
+    if datatype == "FP32" and not np.isfinite(data).all():
+        raise BadInput("input has values that are not finite (NaN, infinity, or past FP32's range)", "non_finite")
     return header, data.reshape(shape)
 
 
-def build_response(pipeline: Pipeline, header: dict, outputs: dict[str, np.ndarray]) -> Response:
+def json_numbers(value: np.ndarray) -> list:
+    """A flat list for JSON, non-finite values as null (as JavaScript's JSON.stringify does): JSON has no NaN,
+    and a model can overflow on finite input."""
+    flat = value.ravel()
+    if np.isfinite(flat).all():
+        return flat.tolist()
+    return np.where(np.isfinite(flat), flat, None).tolist()
+
+
+def build_response(pipeline: Pipeline, header: InferenceRequest, outputs: dict[str, np.ndarray]) -> Response:
     """JSON, or JSON header + raw bytes for the outputs asked for in binary."""
-    asked = header.get("outputs") or [{"name": name} for name in outputs]
-    default_binary = header.get("parameters", {}).get("binary_data_output", False)
+    asked = header.outputs or [RequestOutput(name=name) for name in outputs]
     tensors, blobs = [], []
     for out in asked:
-        if out.get("name") not in outputs:
-            raise BadInput(f"no output {out.get('name')!r}; outputs: {', '.join(outputs)}")
-        value = np.ascontiguousarray(outputs[out["name"]], dtype="<f4")
-        tensor = {"name": out["name"], "datatype": "FP32", "shape": list(value.shape)}
-        if out.get("parameters", {}).get("binary_data", default_binary):
+        if out.name not in outputs:
+            raise BadInput(f"no output {out.name!r}; outputs: {', '.join(outputs)}")
+        value = np.ascontiguousarray(outputs[out.name], dtype="<f4")
+        tensor = {"name": out.name, "datatype": "FP32", "shape": list(value.shape)}
+        binary = out.parameters.binary_data
+        if header.parameters.binary_data_output if binary is None else binary:
             blobs.append(value.tobytes())
             tensor["parameters"] = {"binary_data_size": len(blobs[-1])}
         else:
-            tensor["data"] = value.ravel().tolist()
+            tensor["data"] = json_numbers(value)
         tensors.append(tensor)
     body = {"model_name": pipeline.name, "model_version": "1", "outputs": tensors}
-    if "id" in header:
-        body["id"] = header["id"]
+    if header.id is not None:
+        body["id"] = header.id
     encoded = json.dumps(body).encode()
     if not blobs:
         return Response(encoded, media_type="application/json")
@@ -112,6 +173,7 @@ INFER = {"summary": "Run the model on one input tensor",
                  "parameters": {"type": "object"}, "id": {"type": "string"}}}}}}}}
 
 
+# the inference route first: routes are matched in order, and this one carries the load
 @router.post("/models/{name}/infer", **INFER)
 async def infer(request: Request, name: str) -> Response:
     return await infer_version(request, name, None)
