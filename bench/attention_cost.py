@@ -5,7 +5,8 @@
 
 1. /classify latency with attention=false vs attention=true, one image per request (batch 1) and 16 images
    per request (batch 16), requests alternating in one run; medians and their ratio.
-2. GET /attention-map: method=last (from the kept outputs) vs method=rollout (runs explain.onnx).
+2. GET /attention-map: method=last (from the kept outputs) vs method=rollout (runs explain.onnx), as JSON;
+   and method=last as a PNG (drawn over the upload, decoded again at its own size).
 3. The graph itself: the served graph (logits + attention rows) vs a logits-only export of the same weights,
    raw ONNX Runtime sessions, alternating; this is what the always-on attention outputs cost.
 """
@@ -76,10 +77,12 @@ def http_costs(model: str, rounds: int) -> None:
                   f"attention=true {med['on'] * 1e3:7.1f} ms, ratio {med['on'] / med['off']:.3f}")
         key = client.post("/classify", files={"file": ("a.jpg", jpeg)},
                           params={"model": model, "attention": "true"}).json()["results"][0]["id"]
-        get = lambda method: client.get("/attention-map", params={"id": key, "method": method, "format": "json"})  # noqa: E731
-        med = alternate({"last": lambda: get("last"), "rollout": lambda: get("rollout")}, rounds)
+        get = lambda method, fmt: client.get("/attention-map", params={"id": key, "method": method, "format": fmt})  # noqa: E731
+        med = alternate({"last": lambda: get("last", "json"), "rollout": lambda: get("rollout", "json"),
+                         "png": lambda: get("last", "png")}, rounds)
         print(f"GET /attention-map {model}: method=last {med['last'] * 1e3:.1f} ms, "
-              f"method=rollout {med['rollout'] * 1e3:.1f} ms (explain graph)")
+              f"method=rollout {med['rollout'] * 1e3:.1f} ms (explain graph), JSON; method=last as a PNG at the "
+              f"upload's size {med['png'] * 1e3:.1f} ms (its JPEG decoded again)")
 
 
 def graph_costs(name: str, rounds: int, cache: Path) -> None:

@@ -14,8 +14,10 @@ class AttentionRecord:
     model: str
     attention: dict[str, np.ndarray]  # this image's rows of the attention outputs (copies, not batch views)
     image: np.ndarray  # the model's input, uint8 [H, W, 3]: rollout runs the explain graph on it
-    photo: np.ndarray  # the decoded photo (or face region), uint8 [h, w, 3], to draw the map over
-    size: tuple[int, int]  # the upload's (width, height); the photo may be decoded reduced
+    # what a PNG is drawn over: the decoded photo (or face region), uint8 [h, w, 3]; or, where the request decoded
+    # it reduced, the upload's own bytes, uint8 [n], decoded again at the PNG's size only when one is asked for
+    photo: np.ndarray
+    size: tuple[int, int]  # the (width, height) of the upload (or face region) the map is over
     created: float = field(default_factory=time.monotonic)
 
     @property

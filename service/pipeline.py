@@ -150,9 +150,10 @@ class Pipeline:
     def record(self, out: Results, i: int) -> AttentionRecord:
         """Image i's attention result (of a request run with keep=True)."""
         photo = out.photos[i]
+        backdrop = np.asarray(photo.image) if photo.upload is None else np.frombuffer(photo.upload, np.uint8)
         # copies, not views of the request's rows: the cache's byte count is then what it holds
         return AttentionRecord(self.name, {k: out.fields[k][i].copy() for k in self.attention_outputs},
-                               out.inputs[i].copy(), np.asarray(photo.image), tuple(photo.size))
+                               out.inputs[i].copy(), backdrop, tuple(photo.size))
 
     async def keep(self, out: Results, i: int) -> str | None:
         """Store image i's attention result for GET /attention-map: its id, or None if it does not fit."""

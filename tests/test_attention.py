@@ -161,19 +161,19 @@ def classify_with_attention(url: str, data: bytes, model: str = "shapes-deit") -
     return result["id"]
 
 
-def test_map_png_covers_the_photo_as_decoded_and_json_has_the_grid(url):
+def test_map_png_covers_the_upload_at_its_own_size_and_json_has_the_grid(url):
     jpeg = photo_bytes("chelsea", "JPEG")
     key = classify_with_attention(url, jpeg)
     png = httpx.get(f"{url}/attention-map", params={"id": key})
     assert png.status_code == 200 and png.headers["content-type"] == "image/png"
-    # the photo as the JPEG decoder reduced it for the model (draft mode: half size), never below its resize side
-    width, height = Image.open(io.BytesIO(png.content)).size
-    assert (width, height) == (226, 150) and min(width, height) >= 96
+    # the upload's own size, though the request decoded the JPEG at half size (draft mode) for the 96 px model
+    assert Image.open(io.BytesIO(png.content)).size == (451, 300)
+    assert Image.open(io.BytesIO(httpx.get(f"{url}/attention-map", params={"id": key, "max_side": 200}).content)
+                      ).size == (200, 133)
     body = httpx.get(f"{url}/attention-map", params={"id": key, "format": "json", "token": "both"}).json()
     assert body["grid_size"] == [12, 12] and len(body["grid"]) == 12 and body["image_size"] == [451, 300]
-    # the centred square the model saw, in the upload's pixels: columns 24..120 of the photo at 144 x 96, give or
-    # take the rounding of the reduced decode (226 x 150 resized to 145 x 96)
-    np.testing.assert_allclose(body["crop_box"], [24 * 451 / 144, 0.0, 120 * 451 / 144, 300.0], atol=3)
+    # the centred square the model saw, in the upload's pixels: columns 24..120 of the photo at 144 x 96
+    np.testing.assert_allclose(body["crop_box"], [24 * 451 / 144, 0.0, 120 * 451 / 144, 300.0], atol=1)
     assert max(max(row) for row in body["grid"]) == 1.0
     rollout = httpx.get(f"{url}/attention-map", params={"id": key, "method": "rollout", "format": "json"}).json()
     assert rollout["method"] == "rollout" and rollout["grid"] != body["grid"]
@@ -198,12 +198,13 @@ def test_post_attention_map_for_swin_and_clear_errors(url):
         assert response.status_code == status and response.json()["error"]["code"] == code, response.text
 
 
-def test_a_large_uploads_map_is_bounded_in_pixels(url):
-    big = Image.fromarray(photos.astronaut()).resize((3000, 2000))  # a large PNG: decoded whole, unlike a JPEG
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])  # a PNG decoded whole; a JPEG reduced for the model, then again
+def test_a_large_uploads_map_is_bounded_in_pixels(url, fmt):
+    big = Image.fromarray(photos.astronaut()).resize((3000, 2000))
     buf = io.BytesIO()
-    big.save(buf, format="PNG", compress_level=1)
-    for params, side in (({}, 1024), ({"max_side": 300}, 300)):
-        r = httpx.post(f"{url}/attention-map", files={"file": ("big.png", buf.getvalue())}, params=params, timeout=60)
+    big.save(buf, format=fmt, **({"compress_level": 1} if fmt == "PNG" else {}))
+    for params, side in (({}, 1024), ({"max_side": 300}, 300), ({"max_side": 8192}, 3000)):
+        r = httpx.post(f"{url}/attention-map", files={"file": ("big", buf.getvalue())}, params=params, timeout=60)
         assert r.status_code == 200, r.text
         assert Image.open(io.BytesIO(r.content)).size == (side, round(side * 2 / 3))
 

@@ -47,6 +47,9 @@ def test_a_photo_gets_its_top_five_and_the_attention_overlay(url, page, tmp_path
     page.wait_for_function("document.querySelectorAll('#predictions li').length === 5")
     page.wait_for_function("document.getElementById('photo').dataset.kind === 'attention-map'"
                            " && document.getElementById('photo').naturalWidth > 0")
+    # the overlay at the photo's own size, though the model's decode of the JPEG was reduced
+    assert page.evaluate("[document.getElementById('photo').naturalWidth, "
+                         "document.getElementById('photo').naturalHeight]") == [451, 300]
     api = httpx.post(f"{url}/classify", files={"file": ("chelsea.jpg", jpeg)}, params={"model": "shapes-deit"})
     assert page.locator("#predictions .label").first.inner_text() == api.json()["results"][0]["predictions"][0]["label"]
     assert page.is_visible("#token")  # distilled DeiT: its two tokens can be chosen

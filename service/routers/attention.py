@@ -1,7 +1,9 @@
 """GET /attention-map (a result kept by /classify?attention=true) and POST /attention-map (an image).
 
-Maps are drawn from what the one decode of the upload left: the photo at the resolution it was decoded at
-(JPEGs decode reduced, but never below the model's resize size), and the model input for rollout.
+Maps come from what the request kept: the attention outputs, and the model input for rollout. A PNG is drawn
+over the upload at its own size, bounded by `max_side`: over the photo as the request decoded it, or, where that
+decode was reduced (a JPEG's draft mode, for the model's small input), over the upload decoded again, once, at
+the size the PNG needs, only when a PNG is asked for.
 """
 import asyncio
 from typing import Literal
@@ -9,8 +11,11 @@ from typing import Literal
 import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 
+from repository import InputPolicy
+
 from .. import attention as maps
 from ..cache import AttentionRecord
+from ..decode import decode_within
 from ..errors import NotFound
 from ..pipeline import Pipeline, Pipelines
 from .classify import predictions
@@ -46,20 +51,26 @@ async def render(pipeline: Pipeline, record: AttentionRecord, options: MapOption
         grid = maps.rollout_grid(layers, attention, options.token, options.head)
     else:
         grid = maps.last_layer_grid(record.attention, attention, options.token, options.head)
-    h, w = record.photo.shape[:2]
-    box = policy.crop_box(w, h)
     if options.format == "json":
-        sx, sy = record.size[0] / w, record.size[1] / h
         return json_response({
             "model": pipeline.name, "method": options.method, "head": options.head,
             "token": None if "received" in attention["outputs"] else options.token,
             "grid_size": list(grid.shape), "grid": np.round(grid.astype(np.float64), 4).tolist(),
-            "image_size": list(record.size), "crop_box": [round(v * s, 2) for v, s in zip(box, (sx, sy, sx, sy))],
+            "image_size": list(record.size), "crop_box": [round(v, 2) for v in policy.crop_box(*record.size)],
             **(extra or {})}, headers)
-    png = await asyncio.get_running_loop().run_in_executor(  # scaling and encoding: off the event loop
-        None, maps.render_png, record.photo, grid, box, options.overlay, options.alpha, options.colormap,
-        options.max_side)
+    png = await asyncio.get_running_loop().run_in_executor(  # decoding, scaling and encoding: off the event loop
+        None, draw, record, grid, policy, options, pipeline.settings.max_image_pixels)
     return Response(png, media_type="image/png", headers=headers)
+
+
+def draw(record: AttentionRecord, grid: np.ndarray, policy: InputPolicy, options: MapOptions, max_pixels: int) -> bytes:
+    """The PNG over the photo kept, or over the upload decoded at the size the PNG needs (a 1-D record.photo)."""
+    photo = record.photo
+    if photo.ndim == 1:
+        photo = np.asarray(decode_within(photo.tobytes(), options.max_side, max_pixels).image)
+    h, w = photo.shape[:2]
+    return maps.render_png(photo, grid, policy.crop_box(w, h), options.overlay, options.alpha, options.colormap,
+                           options.max_side)
 
 
 @router.get("/attention-map", summary="The attention map of an earlier /classify?attention=true image",
