@@ -101,9 +101,9 @@ def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool
 
 
 def fp16_graph(cache: Path, name: str, without: tuple[str, ...] = (), batch: int | None = None) -> Path:
-    """The fp16 graph as `python -m export --precision fp16` writes it (fused for ORT), or without some of
-    fuse_for_ort's REWRITES (all of them: "unfused"); with `batch`, exported for that many images, every shape
-    fixed."""
+    """The fp16 graph as `python -m export --precision fp16` writes it (fused for ORT; its inputs without the
+    empty defaults, which change no run), or without some of fuse_for_ort's REWRITES (all of them: "unfused");
+    with `batch`, exported for that many images, every shape fixed."""
     left_out = "-unfused" if set(without) == set(REWRITES) else "".join(f"-without-{w}" for w in without)
     path = graph_path(cache, name, "fp16" + left_out.replace(" ", "_") + (f"-static{batch}" if batch else ""))
     if not path.exists():

@@ -24,7 +24,8 @@ from models.swin_transformer import SwinTransformer
 from . import manifest as mf
 from .fusion import fuse_for_ort
 from .graph import (IMAGES, OPSET, TENSOR, ExplainGraph, MainGraph, expected_attention_blocks, export_form,
-                    export_graph, export_program, fused_attention_count, op_counts, save_graph, unfused_attention)
+                    export_graph, export_program, fused_attention_count, op_counts, save_graph, unfused_attention,
+                    with_empty_defaults)
 from .parity import FP32_ABS_TOLERANCE, ParityError, check_fp32, check_reduced, gate_inputs, run_session, run_torch
 from .precision import CONVERTERS
 
@@ -252,10 +253,13 @@ def export_model(args) -> Path:
         model = build_model(args, labels, meta)
         inputs = gate_inputs(model.spec, args.eval_data)
         proto, counts, parity = _main_graph(model, args.precision, work, inputs, log)
-        files, explain_outputs = {"model": mf.file_entry(work / "model.onnx")}, []
+        graphs, explain_outputs = {"model": work / "model.onnx"}, []
         if not isinstance(model, SwinTransformer) and not args.no_explain:
             explain_outputs, parity["explain_max_abs_diff"] = _explain_graph(model, work, inputs, log)
-            files["explain"] = mf.file_entry(work / "explain.onnx")
+            graphs["explain"] = work / "explain.onnx"
+        for path in graphs.values():
+            with_empty_defaults(path)  # either input alone runs it
+        files = {kind: mf.file_entry(path) for kind, path in graphs.items()}
         manifest = _manifest(args, name, labels, meta, model, proto, counts, parity, files, explain_outputs)
         mf.validate(manifest)
         (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -46,7 +46,9 @@ def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: 
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_wait and CUDA not in wanted
                                      else "0")
     options.add_session_config_entry("session.force_spinning_stop", "1")  # stop spinning when a run ends
-    options.log_severity_level = 2  # the session's own warnings show; only the default logger is muted below
+    # The session's own warnings show at --log-level debug: at every load each graph warns that its inputs'
+    # defaults (export.graph.with_empty_defaults) are no constants
+    options.log_severity_level = 2 if log.isEnabledFor(logging.DEBUG) else 3
     cuda = {"use_tf32": str(int(tf32))}
     if cuda_graph_dims:
         cuda["enable_cuda_graph"] = "1"
@@ -59,6 +61,11 @@ def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: 
         return ort.InferenceSession(str(path), options, providers=configured)
     finally:
         ort.set_default_logger_severity(2)
+
+
+def graph_input(session: ort.InferenceSession, name: str) -> ort.NodeArg:
+    """A graph input by name: ONNX Runtime lists one that has a default among the overridable initializers."""
+    return next(i for i in [*session.get_inputs(), *session.get_overridable_initializers()] if i.name == name)
 
 
 def choose_device(entries: list[ModelEntry], providers: list[str] | None) -> str:
@@ -149,7 +156,7 @@ class CudaGraph:
 
     def _capture(self, path: Path, session: ort.InferenceSession, inputs: tuple[str, str], tf32: bool) -> None:
         batch = self.batch
-        images, tensors = (next(i for i in session.get_inputs() if i.name == name) for name in inputs)
+        images, tensors = (graph_input(session, name) for name in inputs)
         dims = {images.shape[0]: batch, tensors.shape[0]: 0}
         self.session = open_session(path, [CUDA], tf32=tf32, cuda_graph_dims=dims)
         if self.session.get_providers()[0] != CUDA:
@@ -192,7 +199,7 @@ class Runner:
         self.provider = self.session.get_providers()[0]
         self.input_names = inputs
         self.output_names = [o.name for o in self.session.get_outputs()]
-        self.image_shape = tuple(next(i for i in self.session.get_inputs() if i.name == inputs[0]).shape[1:])
+        self.image_shape = tuple(graph_input(self.session, inputs[0]).shape[1:])
         self._pinned_empty = pinned_empty() if self.provider == CUDA else None
         self._host = threading.local()  # each inference thread's page-locked batch buffer
         self.graphs: dict[int, CudaGraph] = {}

@@ -102,7 +102,8 @@ def _residual_sums_into_layer_norms(graph: onnx.ModelProto) -> list[str]:
 def _computed_from_constants(graph: onnx.ModelProto) -> list[str]:
     """Nodes whose inputs are all constants: what a session computes at load, or on every run where its CPU kernels
     cannot (ONNX Runtime has no fp16 Add or Pad on the CPU)."""
-    constant = {i.name for i in graph.graph.initializer} | {""}
+    inputs = {i.name for i in graph.graph.input}  # an input's default is no constant: a feed overrides it
+    constant = {i.name for i in graph.graph.initializer if i.name not in inputs} | {""}
     found = []
     for node in graph.graph.node:  # in order: a node's inputs are made before it
         if set(node.input) <= constant:

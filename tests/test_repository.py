@@ -42,3 +42,22 @@ def test_committed_graphs_agree_with_the_committed_weights(name):
         assert manifest["parity"]["int8"]["top1_agreement"] >= 0.99
     training = manifest["source"]["training"]
     assert training["val_accuracy"] >= 0.95 and training["command"].startswith("python -m models.train")
+
+
+@pytest.mark.parametrize("graph", sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("*/*.onnx")))
+def test_every_graph_runs_with_either_input_alone_in_plain_onnx_runtime(graph):
+    """What a user who takes the file elsewhere does: feed only the input they have; the other defaults to an
+    empty batch."""
+    manifest = json.loads((REPO / graph).parent.joinpath("manifest.json").read_text())
+    h, w = manifest["input"]["size"]
+    rng = np.random.default_rng(0)
+    images, pixels = rng.integers(0, 256, (2, h, w, 3), dtype=np.uint8), rng.standard_normal((3, 3, h, w), np.float32)
+    session = ort.InferenceSession(REPO / graph, providers=["CPUExecutionProvider"])
+    assert session.get_inputs() == []  # both inputs have defaults: neither is required
+    assert [i.name for i in session.get_overridable_initializers()] == ["images", "pixel_values"]
+    for name, x, other, empty in (("images", images, "pixel_values", pixels[:0]),
+                                  ("pixel_values", pixels, "images", images[:0])):
+        alone, fed, rows = {name: x}, {other: empty}, len(x)
+        for got, want in zip(session.run(None, alone), session.run(None, {**alone, **fed})):
+            assert len(got) == rows
+            np.testing.assert_array_equal(got, want)  # the same run: the default is an empty batch

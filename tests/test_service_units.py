@@ -4,6 +4,7 @@ import ast
 import asyncio
 import io
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -397,17 +398,26 @@ def test_cpu_sessions_spin_while_a_run_lasts_and_never_between_runs(spin_wait):
     assert options.get_session_config_entry("session.force_spinning_stop") == "1"
 
 
-def test_a_session_shows_its_own_warnings(tmp_path, capfd):
-    """Only ORT's default logger is muted while a session opens (it reports providers that cannot start): the
-    session's warnings, such as CPU-placed nodes on a GPU host, still reach the log."""
+@pytest.mark.parametrize("level", [logging.DEBUG, logging.INFO])
+def test_a_sessions_own_warnings_show_at_debug_level(tmp_path, capfd, level):
+    """Only ORT's default logger is muted while a session opens (it reports providers that cannot start); the
+    session's own warnings, such as CPU-placed nodes on a GPU host, reach the log at --log-level debug (at every
+    other level each graph's input defaults would warn at every load)."""
     weight = onnx.numpy_helper.from_array(np.ones(2, np.float32), "w")
     vector = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2]) for n in "xwy"]
     graph = onnx.helper.make_graph([onnx.helper.make_node("Add", ["x", "w"], ["y"])], "g", vector[:2], vector[2:],
                                    [weight])  # an initializer that is also an input: ORT warns that it is no constant
     onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8),
               tmp_path / "m.onnx")
-    open_session(tmp_path / "m.onnx", [CPU])
-    assert "Initializer w appears in graph inputs" in capfd.readouterr().err
+    logger = logging.getLogger("vitserve")
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        open_session(tmp_path / "m.onnx", [CPU])
+    finally:
+        logger.setLevel(before)
+    shown = "Initializer w appears in graph inputs" in capfd.readouterr().err
+    assert shown == (level == logging.DEBUG)
 
 
 # -- the attention cache -----------------------------------------------------------------------------------------
