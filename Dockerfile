@@ -23,7 +23,7 @@ RUN --mount=type=secret,id=ca \
 COPY model_repository ./model_repository
 
 USER 10001:10001
-EXPOSE 8000
+EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health/ready')"]
 CMD ["python", "-m", "service"]

@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-slow serve models demo-data demo-weights lock clean
+.PHONY: install test test-slow serve models demo-data demo-weights lock proto clean
 
 # RUNTIME=cpu (plain onnxruntime) or RUNTIME=gpu (onnxruntime-gpu with CUDA 13, cuDNN 9 and GPU decoding).
 # The two share a module name and break each other, so the other one goes first.
@@ -81,6 +81,15 @@ lock:
 		pins = ["%s==%s" % (p["name"], p["version"].split("+")[0]) for p in found if p["name"] != "vitserve"]; \
 		print("# Every dependency pinned, as pip constraints. Renew with `make lock` (see the Makefile)."); \
 		print(*sorted(pins, key=str.lower), sep="\n")' build/resolved.json > requirements.lock
+
+# service/protocol/open_inference_pb2.py(i) from the .proto beside it, committed: serving needs no compiler.
+# grpcio-tools lives in a venv of its own (it brings its own protobuf); the generated module needs protobuf >= the
+# version it was generated with.
+PROTO := service/protocol/open_inference.proto
+proto:
+	$(PYTHON) -m venv build/proto
+	build/proto/bin/pip install --quiet grpcio-tools==1.85.1
+	build/proto/bin/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. $(PROTO)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -31,7 +31,10 @@ idle: each one's idle CPU is printed first (LitServe's batching loop polls its r
 
 Requests: one image each, the chelsea photo (451 x 300) as JPEG quality 90 (route "JPEG"), or its preprocessed
 uint8 [1, 96, 96, 3] as a KServe v2 binary tensor (route "tensor", only where the server speaks it). The client is
-wrk (bench/wrk.py), one thread, the same fixed request back to back over kept-alive connections. Each server
+wrk (bench/wrk.py), one thread, the same fixed request back to back over kept-alive connections. Route "gRPC"
+sends the tensor to the Open Inference Protocol's gRPC ModelInfer (vitserve's port 8001 and Triton's), from
+service.loadtest's Python clients in two processes (wrk speaks no gRPC): a heavier client than wrk, the same for
+both servers. Each server
 must first answer with vitserve's top-1 class for the photo. Rounds interleave everything (round r: every peer x
 route x clients, in order); figures are medians over rounds. A peer that cannot be installed or started is named
 with its error and the rest goes on. The client runs on the same machine as the servers.
@@ -66,7 +69,7 @@ from service.decode import decode, model_input  # noqa: E402
 MODEL = "shapes-deit"
 SERVERS = ROOT / "bench" / "peers"
 BUILD = ROOT / "build" / "peers"
-ROUTES = ("JPEG", "tensor")
+ROUTES = ("JPEG", "tensor", "gRPC")
 # the same onnxruntime and Pillow as vitserve runs with: the graph's kernels and the JPEG decoder are not what differs
 SHARED = [f"onnxruntime=={version('onnxruntime')}", f"pillow=={version('pillow')}", "jsonschema"]
 
@@ -77,10 +80,11 @@ class Peer:
     packages: list[str]  # its virtual environment's requirements; none: this environment (vitserve)
     base_python: str  # what its virtual environment is made with
     command: Callable[[Path, list[int]], list[str]]  # (its python, its ports) -> the server's command line
-    ports: int  # how many free ports it needs; the first is HTTP
+    ports: int  # how many free ports it needs; the first is HTTP, the second (where it speaks gRPC) gRPC
     jpeg: Callable[[bytes], wrk.Request]
     tensor: Callable[[np.ndarray], wrk.Request] | None  # None: it takes no tensors
     top1: Callable[[httpx.Response], int]  # the class index in its answer to `jpeg`
+    grpc: bool = False  # the tensor through the Open Inference Protocol's gRPC ModelInfer too
 
 
 def vitserve_jpeg(jpeg: bytes) -> wrk.Request:
@@ -124,7 +128,7 @@ PEERS = {
     "vitserve": Peer("vitserve", [], sys.executable,
                      lambda python, ports: [str(python), "-m", "service", "--port", str(ports[0]), "--log-level",
                                             "warning"],
-                     1, vitserve_jpeg, v2_tensor, lambda r: r.json()["results"][0]["predictions"][0]["index"]),
+                     2, vitserve_jpeg, v2_tensor, lambda r: r.json()["results"][0]["predictions"][0]["index"], True),
     "fastapi": Peer("fastapi", ["fastapi", "uvicorn[standard]", "python-multipart", f"numpy=={version('numpy')}",
                                 *SHARED], sys.executable,
                     lambda python, ports: [str(python), str(SERVERS / "fastapi_server.py"), str(ports[0])],
@@ -135,7 +139,7 @@ PEERS = {
                      1, upload, None, lambda r: r.json()["index"]),
     "triton": Peer("triton", ["nvidia-pytriton", "numpy<2", *SHARED], "/usr/bin/python3.11",
                    lambda python, ports: [str(python), str(SERVERS / "triton_server.py"), *map(str, ports)],
-                   3, triton_jpeg, v2_tensor, lambda r: int(v2_outputs(r)["index"].ravel()[0])),
+                   3, triton_jpeg, v2_tensor, lambda r: int(v2_outputs(r)["index"].ravel()[0]), True),
 }
 VERSIONS = ["fastapi", "uvicorn", "litserve", "nvidia-pytriton", "tritonclient", "onnxruntime", "numpy", "pillow"]
 
@@ -185,6 +189,7 @@ class Running:
     proc: subprocess.Popen
     url: str
     log: Path
+    grpc: str | None  # its gRPC host:port
 
 
 def start(peer: Peer) -> Running:
@@ -195,11 +200,13 @@ def start(peer: Peer) -> Running:
     ports = [free_port() for _ in range(peer.ports)]
     log = BUILD / peer.name / "server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "VITSERVE_ACCESS_LOG": "false", "PYTHONUNBUFFERED": "1"}
+    grpc = f"127.0.0.1:{ports[1]}" if peer.grpc else None
+    env = {**os.environ, "VITSERVE_ACCESS_LOG": "false", "PYTHONUNBUFFERED": "1",
+           **({"VITSERVE_GRPC_PORT": str(ports[1])} if peer.grpc else {})}
     with log.open("w") as out:
         proc = subprocess.Popen(peer.command(python, ports), cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    return Running(peer, proc, f"http://127.0.0.1:{ports[0]}", log)
+    return Running(peer, proc, f"http://127.0.0.1:{ports[0]}", log, grpc)
 
 
 def log_tail(running: Running, lines: int = 12) -> str:
@@ -275,17 +282,30 @@ def stop(running: Running, grace_s: float = 30) -> None:
     running.proc.wait()
 
 
-def requests_for(peer: Peer, jpeg: bytes, pixels: np.ndarray) -> dict[str, wrk.Request | None]:
-    return {"JPEG": peer.jpeg(jpeg), "tensor": peer.tensor(pixels[None]) if peer.tensor else None}
+def requests_for(peer: Peer, jpeg: bytes, pixels: np.ndarray) -> dict[str, wrk.Request | np.ndarray | None]:
+    """Each route's request: wrk's, or for gRPC the tensor itself."""
+    return {"JPEG": peer.jpeg(jpeg), "tensor": peer.tensor(pixels[None]) if peer.tensor else None,
+            "gRPC": pixels[None] if peer.grpc else None}
 
 
-def check(running: Running, requests: dict[str, wrk.Request | None], expected: int) -> None:
-    """Every route the peer serves answers 200 with vitserve's top-1 class (the tensor route's from its logits)."""
+def grpc_logits(target: str, x: np.ndarray) -> np.ndarray:
+    """ModelInfer at `target` with `x` as `images`: its logits (tritonclient.grpc, the protocol's own client)."""
+    import tritonclient.grpc as triton
+    with triton.InferenceServerClient(target) as client:
+        tensor = triton.InferInput("images", list(x.shape), "UINT8")
+        tensor.set_data_from_numpy(x)
+        return client.infer(MODEL, [tensor], outputs=[triton.InferRequestedOutput("logits")]).as_numpy("logits")
+
+
+def check(running: Running, requests: dict[str, wrk.Request | np.ndarray | None], expected: int) -> None:
+    """Every route the peer serves answers 200 with vitserve's top-1 class (the tensor routes' from their logits)."""
     got = {"JPEG": wait_answering(running, requests["JPEG"])}
     if requests["tensor"] is not None:
         r = ask(running, requests["tensor"])
         r.raise_for_status()
         got["tensor"] = int(v2_outputs(r)["logits"][0].argmax())
+    if requests["gRPC"] is not None:
+        got["gRPC"] = int(grpc_logits(running.grpc, requests["gRPC"])[0].argmax())
     wrong = {route: index for route, index in got.items() if index != expected}
     if wrong:
         raise RuntimeError(f"top-1 {wrong}, vitserve says {expected}")
@@ -331,10 +351,17 @@ def start_all(names: list[str], jpeg: bytes, pixels: np.ndarray, running: dict[s
     return requests, expected
 
 
-def measure(running: dict[str, Running], loads: list[tuple[str, str, wrk.Request, int]], rounds: int, seconds: int,
-            failed: dict[str, str]) -> dict[tuple[str, str, int], list[wrk.Figures]]:
-    """wrk's figures for each (peer, route, clients), round by round; a peer that exits under load goes into
-    `failed` and the rest goes on without it."""
+def load(running: Running, route: str, request: wrk.Request | np.ndarray, clients: int, seconds: int) -> wrk.Figures:
+    """wrk's figures, or for gRPC the same from service.loadtest's clients (wrk.grpc_run)."""
+    if route == "gRPC":
+        return wrk.grpc_run(running.grpc, MODEL, "images", request, clients, seconds)
+    return wrk.run(running.url, request, clients, seconds)
+
+
+def measure(running: dict[str, Running], loads: list[tuple[str, str, wrk.Request | np.ndarray, int]], rounds: int,
+            seconds: int, failed: dict[str, str]) -> dict[tuple[str, str, int], list[wrk.Figures]]:
+    """The figures of each (peer, route, clients), round by round; a peer that exits under load goes into `failed`
+    and the rest goes on without it."""
     results: dict[tuple[str, str, int], list[wrk.Figures]] = {}
     for r in range(rounds):
         awake = None
@@ -344,7 +371,7 @@ def measure(running: dict[str, Running], loads: list[tuple[str, str, wrk.Request
             if name != awake:
                 only_awake(running, awake := name)
             try:
-                figures = wrk.run(running[name].url, request, c, seconds)
+                figures = load(running[name], route, request, c, seconds)
             except RuntimeError as e:  # the server refused or dropped the connection: say so, and go on
                 print(f"round {r + 1}: {name} {route} {c} clients: {e}", flush=True)
                 continue
@@ -390,7 +417,7 @@ def main() -> None:
         if args.warmup > 0:  # each peer's route once under load, untimed: its first batches of each size
             for name, route, request, _ in loads[::len(args.clients)]:
                 only_awake(running, name)
-                wrk.run(running[name].url, request, max(args.clients), args.warmup)
+                load(running[name], route, request, max(args.clients), args.warmup)
         results = measure(running, loads, args.rounds, args.seconds, failed)
     finally:
         for r in running.values():

@@ -14,15 +14,16 @@ size, however fast its GPU and however many its cores: 1000 / (ms per image) ima
 process, used a whole core, the figure is a floor on that ceiling.
 
 Part "http": `python -m service --backend process` with `--workers` HTTP workers, and wrk (bench/wrk.py) on the
-same machine posting one fixed request: `/v2` with a uint8 tensor, or `/classify` with the 451 x 300 chelsea
-JPEG; 1 or 8 images per request. Each process's CPU time comes from /proc/PID/stat before and after the wrk run,
-its role from its name (supervisor.ROLES; the supervisor is the parent). Rounds interleave the routes; figures
-are medians. The inference process's CPU per image here is what it spends at this load, with the batches this
-load forms; the HTTP workers scale with cores, at 1000 / (their ms per image) images/s each. On N cores the
-default N - 1 workers reach (N - 1) times that, the inference process its saturated ceiling (part "ceiling", at
-the same batch size and images per request), and the service the lower of the two: that role binds. "GPU
-decoding" counts only what a worker does when JPEGs are decoded on the GPU: its CPU less what decoding and
-resizing the JPEG costs one thread here.
+same machine posting one fixed request: `/v2` with a uint8 tensor, or `/classify` with the 451 x 300 chelsea JPEG;
+1 or 8 images per request. Route `grpc` sends the `/v2` tensor to the gRPC ModelInfer instead, from
+service.loadtest's clients (wrk speaks no gRPC): two client processes, one channel each. Each process's CPU time
+comes from /proc/PID/stat before and after the wrk run, its role from its name (supervisor.ROLES; the supervisor is
+the parent). Rounds interleave the routes; figures are medians. The inference process's CPU per image here is what
+it spends at this load, with the batches this load forms; the HTTP workers scale with cores, at 1000 / (their ms
+per image) images/s each. On N cores the default N - 1 workers reach (N - 1) times that, the inference process its
+saturated ceiling (part "ceiling", at the same batch size and images per request), and the service the lower of the
+two: that role binds. "GPU decoding" counts only what a worker does when JPEGs are decoded on the GPU: its CPU less
+what decoding and resizing the JPEG costs one thread here.
 """
 import argparse
 import asyncio
@@ -40,7 +41,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 import wrk  # noqa: E402
 from service_overhead import decode_cpu_ms, null_repo  # noqa: E402
-from service_process import model_pixels, photo_bytes, running_service  # noqa: E402
+from service_process import free_port, model_pixels, photo_bytes, running_service  # noqa: E402
 
 from repository import read_entry  # noqa: E402
 from service.backends.process import ProcessBackend  # noqa: E402
@@ -144,9 +145,12 @@ def cpu_by_role(supervisor: int) -> dict[str, float]:
     return seconds
 
 
-def measure(url: str, supervisor: int, request: wrk.Request, clients: int, seconds: float) -> dict[str, float]:
+def measure(url: str, supervisor: int, request: wrk.Request | str, clients: int, seconds: float,
+            x=None) -> dict[str, float]:
+    """One load's figures and each role's CPU ms per request; `request` a gRPC target (host:port) with `x`."""
     before = cpu_by_role(supervisor)
-    figures = wrk.run(url, request, clients, seconds)
+    figures = (wrk.grpc_run(request, "null", "images", x, clients, seconds) if x is not None else
+               wrk.run(url, request, clients, seconds))
     after = cpu_by_role(supervisor)
     done = figures.requests_per_s * seconds
     out = {"requests_per_s": figures.requests_per_s, "p50": figures.p50_ms, "errors": figures.errors}
@@ -167,21 +171,27 @@ def http(repo: Path, args: argparse.Namespace, ceilings: dict[tuple[int, int], f
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
     pixels = model_pixels(repo / "null", jpeg)
     decode_ms = decode_cpu_ms(jpeg, read_entry(repo / "null").policy)
+    grpc_port = free_port()
     requests = {(route, n): (wrk.v2_request("null", "images", pixels[None].repeat(n, 0)) if route == "v2" else
+                             f"127.0.0.1:{grpc_port}" if route == "grpc" else
                              wrk.classify_request(jpeg, n, query="model=null&top_k=1"))
                 for route in args.routes for n in args.images}
     batch = args.max_batch_size[0]
     runs: dict[tuple, list[dict]] = {}
     with running_service(model_repository=repo, backend="process", workers=args.workers, access_log=False,
-                         max_batch_size=batch, queue_limit=1024, max_files=64) as url:
+                         max_batch_size=batch, queue_limit=1024, max_files=64, grpc_port=grpc_port) as url:
         supervisor = supervisor_pid(int(url.rsplit(":", 1)[1]))
-        for request in requests.values():  # warm-up: connections, pages of the arenas
-            wrk.run(url, request, max(args.clients), 1)
+        for (route, n), request in requests.items():  # warm-up: connections, pages of the arenas
+            if route == "grpc":
+                wrk.grpc_run(request, "null", "images", pixels[None].repeat(n, 0), max(args.clients), 1)
+            else:
+                wrk.run(url, request, max(args.clients), 1)
         for _ in range(args.rounds):
             for (route, n), request in requests.items():
+                x = pixels[None].repeat(n, 0) if route == "grpc" else None
                 for clients in args.clients:
                     runs.setdefault((route, n, clients), []).append(
-                        measure(url, supervisor, request, clients, args.seconds))
+                        measure(url, supervisor, request, clients, args.seconds, x))
     print(f"\nThrough HTTP: {args.workers} HTTP workers, max batch {batch}, wrk on the same {os.cpu_count()} cores; "
           f"medians of {args.rounds} rounds of {args.seconds:g}s. CPU ms per image (per request in brackets); "
           f"decoding and resizing the JPEG costs one thread {decode_ms:.2f} ms here")
@@ -210,7 +220,7 @@ def main() -> None:
                    help="the service's (the first is the one the http part serves with)")
     p.add_argument("--images", nargs="+", type=int, default=[1, 8], help="images per request")
     p.add_argument("--clients", nargs="+", type=int, default=[8, 32], help="wrk connections, for the http part")
-    p.add_argument("--routes", nargs="+", default=["v2", "classify"], choices=["v2", "classify"])
+    p.add_argument("--routes", nargs="+", default=["v2", "classify"], choices=["v2", "classify", "grpc"])
     p.add_argument("--workers", type=int, default=2, help="HTTP workers, for the http part")
     p.add_argument("--in-flight", type=int, default=512, help="requests kept in flight, for the ceiling part")
     p.add_argument("--seconds", type=float, default=8.0)

@@ -2,7 +2,8 @@
 over kept-alive connections, so the client costs the shared cores little and treats every server alike.
 
 `apt-get install wrk`. The request's body lies in a file that a Lua script reads once per wrk thread; the script's
-`done` writes the figures as JSON (latency in microseconds, as wrk keeps them).
+`done` writes the figures as JSON (latency in microseconds, as wrk keeps them). wrk speaks no gRPC: `grpc_run`
+gives the same figures for the Open Inference Protocol's ModelInfer from service.loadtest's clients.
 """
 import json
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.loadtest import BOUNDARY, multipart, v2_body
+from service.loadtest import BOUNDARY, grpc_requests, multipart, run_level_processes, v2_body
 
 SCRIPT = """
 local f = assert(io.open(os.getenv("WRK_BODY"), "rb"))
@@ -91,3 +92,14 @@ def run(url: str, request: Request, clients: int, seconds: float, threads: int =
     errors = sum(out[k] for k in ("connect", "read", "write", "status", "timeout"))
     per_s = (out["requests"] - out["status"]) / (out["duration_us"] / 1e6)
     return Figures(per_s, per_s * request.images, out["p50"] / 1e3, out["p90"] / 1e3, out["p99"] / 1e3, errors)
+
+
+def grpc_run(target: str, model: str, name: str, x: np.ndarray, clients: int, seconds: float) -> Figures:
+    """What `run` measures, for gRPC ModelInfer at `target` (host:port) of the batch `x` as input `name`:
+    service.loadtest's clients over two processes, one channel each, no warm-up (every answer in the window counts,
+    as wrk's do)."""
+    level = run_level_processes(f"grpc://{target}", (grpc_requests, (model, name, x)), clients, seconds, 2,
+                                warmup=0.0, files_per_request=len(x))
+    latency = level.latency_ms or {p: float("nan") for p in ("p50", "p90", "p99")}
+    return Figures(level.requests_per_s, level.images_per_s, latency["p50"], latency["p90"], latency["p99"],
+                   sum(level.failures.values()))

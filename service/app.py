@@ -10,7 +10,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from . import http_errors
+from . import grpc_server, http_errors
 from .backends import Backend
 from .backends.local import LocalBackend
 from .metrics import Metrics, exposition
@@ -24,11 +24,12 @@ DEMO_PAGE = (Path(__file__).parent / "static" / "index.html").read_text()
 
 
 def create_app(settings: Settings | None = None, backend: Backend | None = None, start_when_loaded: bool = False,
-               metrics: Metrics | None = None) -> FastAPI:
+               metrics: Metrics | None = None, grpc_shared_port: bool = False) -> FastAPI:
     """The service over `backend` (default: a LocalBackend, which reads the repository now, so that a missing
     or empty one fails before the server listens). Models load after start-up, so that /health/live answers at
     once; with `start_when_loaded` start-up itself waits for them (a Ray Serve replica takes requests once
-    started)."""
+    started). The gRPC server (settings.grpc_port) starts with it, its port shared with other processes' where
+    `grpc_shared_port` (the process backend's HTTP workers)."""
     settings = settings or Settings()
     metrics = metrics or Metrics()
     backend = backend or LocalBackend(settings, metrics)
@@ -38,6 +39,9 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     async def lifespan(app: FastAPI):
         await backend.start()
         pipelines.open()
+        grpc_front = None
+        if settings.grpc_port:
+            grpc_front = await grpc_server.start(pipelines, settings, metrics, grpc_shared_port)
         # Requests make few reference cycles: collecting less often, and never scanning what start-up made, was
         # 12% of the server's CPU per image on /classify (bench: a null model, 32 clients)
         gc.collect()
@@ -46,6 +50,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         if start_when_loaded:
             await backend.loaded()
         yield
+        if grpc_front is not None:  # after uvicorn's drain: the calls under way finish, new ones are refused
+            await grpc_front.stop(settings.request_timeout_s)
         await backend.close()
         pipelines.close()
 

@@ -4,12 +4,16 @@
     python -m service.loadtest --url http://localhost:8000 --concurrency 1,4,16,64 --files-per-request 8 \\
         --processes 4 --plot load.png --json load.json
     python -m service.loadtest --url http://localhost:8000 --model shapes-deit --v2 UINT8 --concurrency 64,256
+    python -m service.loadtest --grpc localhost:8001 --model shapes-deit --v2 UINT8 --concurrency 8,32 --processes 2
 
 Each level runs `--concurrency` clients, each sending requests back to back over a kept-alive connection; what
 completes in the `--duration` seconds after a short warm-up counts. A request carries `--files-per-request` images
 (the multipart field `file` for one, `files` repeated for several), so images/s = requests/s x files. With
 `--v2 FP32|UINT8` the requests go to the KServe v2 infer route instead: a random tensor of the model's input shape
 (`files-per-request` images in its batch), in the binary tensor extension, outputs asked for in binary.
+With `--grpc HOST:PORT` as well, the same tensors go to the Open Inference Protocol's gRPC ModelInfer in
+`raw_input_contents`, encoded once; each client process holds one channel (one HTTP/2 connection, as
+tritonclient.grpc does), so --processes also spreads the load over the process backend's workers.
 `--processes P` splits a level's clients over P spawned client processes, each its own event loop, all measuring
 the same wall-clock window; their images, failures and latency samples are merged.
 
@@ -33,7 +37,8 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -41,8 +46,9 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-# sends request number i on the session and returns its HTTP status
-Send = Callable[[aiohttp.ClientSession, int], Awaitable[int]]
+# sends request number i on the session (an aiohttp session, or a gRPC channel) and returns its status: HTTP's,
+# or the name of gRPC's
+Send = Callable[[object, int], Awaitable[int | str]]
 # a Send's factory and its plain arguments: what a spawned client process rebuilds its Send from
 Sender = tuple[Callable[..., Send], tuple]
 
@@ -138,6 +144,42 @@ def v2_requests(model: str, name: str, x: np.ndarray, binary_outputs: bool = Tru
     return send
 
 
+def grpc_requests(model: str, name: str, x: np.ndarray) -> Send:
+    """ModelInfer with the batch `x` as input `name` in raw_input_contents, serialised once and sent as bytes (the
+    answer is left serialised too: the client's CPU goes to the calls); every output comes back."""
+    from .protocol import open_inference_pb2 as pb
+    datatype = {np.dtype(np.float32): "FP32", np.dtype(np.uint8): "UINT8"}[x.dtype]
+    body = pb.ModelInferRequest(model_name=model, inputs=[pb.ModelInferRequest.InferInputTensor(
+        name=name, datatype=datatype, shape=x.shape)], raw_input_contents=[x.tobytes()]).SerializeToString()
+
+    async def send(channel, i: int) -> int | str:
+        import grpc
+        try:
+            await channel.unary_unary(GRPC_INFER)(body)  # no serialisers: bytes in, bytes out
+        except grpc.aio.AioRpcError as e:
+            return e.code().name
+        return 200
+
+    return send
+
+
+GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"  # the protocol's method path
+
+
+@asynccontextmanager
+async def connection(url: str, concurrency: int) -> AsyncIterator[object]:
+    """What the clients send on: an aiohttp session of `concurrency` kept-alive connections, or for a grpc://
+    URL one gRPC channel."""
+    if url.startswith("grpc://"):
+        import grpc
+        async with grpc.aio.insecure_channel(url.removeprefix("grpc://")) as channel:
+            yield channel
+        return
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        yield session
+
+
 def client_bound(cpu_s: list[float], seconds: float) -> bool:
     """Whether any client process (CPU seconds each over a window of `seconds`) kept its core nearly busy."""
     return any(cpu >= CLIENT_BOUND_CORES * seconds for cpu in cpu_s)
@@ -171,8 +213,7 @@ async def run_clients(url: str, send: Send, concurrency: int, start_at: float, w
         await asyncio.sleep(stop_at - time.perf_counter())
         return time.process_time() - begin
 
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with connection(url, concurrency) as session:
 
         async def worker(k: int) -> None:
             i = k
@@ -304,8 +345,9 @@ def plot(results: list[LevelResult], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def v2_sender(url: str, model: str | None, datatype: str, batch: int) -> Sender:
-    """Random tensors of `model`'s input of that datatype, from its v2 metadata."""
+def v2_sender(url: str, model: str | None, datatype: str, batch: int, grpc: bool = False) -> Sender:
+    """Random tensors of `model`'s input of that datatype, from its v2 metadata (read over HTTP), for /v2 infer or,
+    with `grpc`, for ModelInfer."""
     if model is None:
         raise SystemExit("error: --v2 needs --model")
     import urllib.request
@@ -315,7 +357,7 @@ def v2_sender(url: str, model: str | None, datatype: str, batch: int) -> Sender:
     shape = [batch, *wanted["shape"][1:]]
     rng = np.random.default_rng(0)
     x = rng.random(shape, np.float32) if datatype == "FP32" else rng.integers(0, 256, shape, np.uint8)
-    return v2_requests, (model, wanted["name"], x)
+    return (grpc_requests if grpc else v2_requests), (model, wanted["name"], x)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -329,25 +371,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--files-per-request", type=int, default=1, help="images per request (several: field `files`)")
     p.add_argument("--processes", type=int, default=1, help="client processes to split each level's clients over")
     p.add_argument("--v2", choices=["FP32", "UINT8"], help="send random tensors to /v2 infer instead (needs --model)")
+    p.add_argument("--grpc", metavar="HOST:PORT", help="send the --v2 tensors over gRPC, to ModelInfer at HOST:PORT")
     p.add_argument("--plot", type=Path, help="save throughput and latency vs concurrency as an image")
     p.add_argument("--json", type=Path, help="save the results as JSON")
     args = p.parse_args(argv)
     files = args.files_per_request
-    sender = v2_sender(args.url, args.model, args.v2, files) if args.v2 else (classify_requests, (
-        [(f.name, f.read_bytes()) for f in args.image] if args.image else default_images(),
-        {"model": args.model, "top_k": 1}, files))
+    if args.grpc and not args.v2:
+        raise SystemExit("error: --grpc sends tensors: give their datatype with --v2 FP32|UINT8")
+    target = f"grpc://{args.grpc}" if args.grpc else args.url
+    images = [(f.name, f.read_bytes()) for f in args.image] if args.image else None
+    sender = (v2_sender(args.url, args.model, args.v2, files, args.grpc is not None) if args.v2 else
+              (classify_requests, (images or default_images(), {"model": args.model, "top_k": 1}, files)))
     results = []
     for c in (int(x) for x in args.concurrency.split(",")):
         send = sender[0](*sender[1])
-        results.append(asyncio.run(run_level(args.url, send, c, args.duration, files_per_request=files))
+        results.append(asyncio.run(run_level(target, send, c, args.duration, files_per_request=files))
                        if args.processes == 1 else
-                       run_level_processes(args.url, sender, c, args.duration, args.processes, files_per_request=files))
+                       run_level_processes(target, sender, c, args.duration, args.processes, files_per_request=files))
         print(table(results[-1:]).splitlines()[-1] if len(results) > 1 else table(results), flush=True)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     if args.plot:
         per_request = f", {files} images per request" if files > 1 else ""
-        plot(results, args.plot, f"vitserve {args.model or 'default model'} at {args.url}{per_request}")
+        plot(results, args.plot, f"vitserve {args.model or 'default model'} at {target}{per_request}")
         print(f"plot: {args.plot}", file=sys.stderr)
 
 

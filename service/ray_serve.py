@@ -45,7 +45,7 @@ def replica_env(cpus_per_replica: float) -> dict[str, str]:
 def replica_app() -> FastAPI:
     """The service as one replica builds it: its start-up waits for the models to be warm, so Ray marks the
     replica running, and routes to it, only once it can answer."""
-    return create_app(start_when_loaded=True)
+    return create_app(Settings(grpc_port=0), start_when_loaded=True)  # replicas share a node: no port of their own
 
 
 def application(replicas: int, cpus_per_replica: float, gpus_per_replica: float,

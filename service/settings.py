@@ -20,6 +20,8 @@ class Settings(BaseSettings):
                                               "one for the inference process, at least 2)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(8001, ge=0, le=65535, description="the Open Inference Protocol over gRPC on this port "
+                                                            "(0: off)")
     model_repository: Path = EMBEDDED_REPOSITORY
     default_model: str | None = Field(None, description="model for requests that name none (default: the first "
                                                         "classification model, by name)")

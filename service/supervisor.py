@@ -64,7 +64,7 @@ def worker_main(settings: Settings, sock: socket.socket, socket_path: Path, log_
     """One HTTP worker (multiprocessing, spawn): the whole app over a ProcessBackend."""
     name_process(ROLES[1])
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s worker %(process)d: %(message)s")
-    app = create_app(settings, ProcessBackend(settings, socket_path))
+    app = create_app(settings, ProcessBackend(settings, socket_path), grpc_shared_port=True)
     config = uvicorn.Config(app, log_level=log_level, access_log=settings.access_log,
                             timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
     uvicorn.Server(config).run(sockets=[sock])
@@ -78,6 +78,8 @@ def worker_count(settings: Settings) -> int:
 def serve(settings: Settings, log_level: str = "info") -> int:
     """Run until SIGTERM/SIGINT; the exit status (1 if the inference process failed)."""
     sock = bind(settings.host, settings.port)  # a port in use fails here, before any process starts
+    if settings.grpc_port:  # so does the gRPC port, which the workers then share (SO_REUSEPORT)
+        bind(settings.host, settings.grpc_port).close()
     folder = runtime_folder()
     (folder / "metrics").mkdir()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder / "metrics")  # inherited by every process started below

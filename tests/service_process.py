@@ -34,8 +34,10 @@ def free_port() -> int:
 
 @contextmanager
 def running_service(wait_ready: bool = True, **settings) -> Iterator[str]:
-    """Yield the base URL of a service started with VITSERVE_<NAME> settings; stop it afterwards."""
+    """Yield the base URL of a service started with VITSERVE_<NAME> settings; stop it afterwards. Its gRPC server
+    takes a free port too, unless `grpc_port` says which."""
     port = free_port()
+    settings = {"grpc_port": free_port(), **settings}
     with tempfile.TemporaryFile() as output:  # a file, not a pipe: a server that logs a lot never blocks on it
         proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning"],
                                 cwd=ROOT, env=service_env(settings), stdout=output, stderr=subprocess.STDOUT)

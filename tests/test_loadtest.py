@@ -5,7 +5,7 @@ import json
 import aiohttp
 import httpx
 import pytest
-from service_process import metric, photo_bytes, running_service
+from service_process import free_port, metric, photo_bytes, running_service
 
 from service.loadtest import (BOUNDARY, Share, classify_requests, client_bound, merge, multipart, run_level,
                               run_level_processes, split, table)
@@ -16,9 +16,12 @@ MODEL = "shapes-deit"
 CHELSEA, COFFEE = ("chelsea.jpg", photo_bytes("chelsea", "JPEG")), ("coffee.jpg", photo_bytes("coffee", "JPEG"))
 
 
+GRPC_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def url():
-    with running_service() as base:
+    with running_service(grpc_port=GRPC_PORT) as base:
         yield base
 
 
@@ -156,11 +159,13 @@ def test_load_tester_command_line_reports_every_level_as_a_table_json_and_a_plot
     assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("grpc", [False, True])
 @pytest.mark.parametrize("datatype", ["FP32", "UINT8"])
-def test_load_tester_drives_the_v2_route_with_tensors_of_the_models_input(url, tmp_path, datatype):
+def test_load_tester_drives_the_v2_route_or_grpc_with_tensors_of_the_models_input(url, tmp_path, datatype, grpc):
     before = served_images(url)
+    over_grpc = ["--grpc", f"127.0.0.1:{GRPC_PORT}"] if grpc else []
     loadtest_main(["--url", url, "--model", MODEL, "--v2", datatype, "--concurrency", "2", "--duration", "1",
-                   "--files-per-request", "3", "--json", str(tmp_path / "load.json")])
+                   "--files-per-request", "3", "--json", str(tmp_path / "load.json"), *over_grpc])
     (level,) = json.loads((tmp_path / "load.json").read_text())
     assert level["failures"] == {} and level["images"] == 3 * level["requests"] > 0
     assert served_images(url) - before >= level["images"]

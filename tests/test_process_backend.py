@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import pytest
@@ -23,6 +24,8 @@ from service.backends.process import ProcessBackend
 from service.backends.server import InferenceServer
 from service.cache import AttentionRecord
 from service.errors import Unavailable
+from service.grpc_server import SERVICE
+from service.protocol import open_inference_pb2 as pb
 from service.settings import Settings
 
 REPO = ROOT / "model_repository"
@@ -229,11 +232,11 @@ def test_more_images_than_the_queue_holds_get_413_and_bad_input_a_clear_4xx(url)
 
 @pytest.mark.parametrize("backend", ["thread", "process"])
 def test_ready_only_after_warm_up_and_sigterm_finishes_every_accepted_request(backend):
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=service_env({"backend": backend, "workers": 2, "warmup_runs": 40,
-                                             "max_batch_size": 4}))
+                                             "max_batch_size": 4, "grpc_port": grpc_port}))
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(base, "/health/live", proc)
@@ -242,19 +245,28 @@ def test_ready_only_after_warm_up_and_sigterm_finishes_every_accepted_request(ba
         wait_for(base, "/health/ready", proc)
 
         async def requests_then_sigterm():
-            async with httpx.AsyncClient(timeout=60) as client:
+            async with httpx.AsyncClient(timeout=60) as client, grpc.aio.insecure_channel(
+                    f"127.0.0.1:{grpc_port}") as channel:
                 files = [("files", (f"{i}.jpg", JPEG)) for i in range(16)]
                 pending = [asyncio.create_task(client.post(f"{base}/classify", files=files)) for _ in range(8)]
-                await asyncio.sleep(0.5)  # accepted and queued: 128 images, batches of 4
+                model_infer = channel.unary_unary(f"/{SERVICE}/ModelInfer", pb.ModelInferRequest.SerializeToString,
+                                                  pb.ModelInferResponse.FromString)
+                x = np.zeros((16, 96, 96, 3), np.uint8)
+                calls = [model_infer(pb.ModelInferRequest(model_name="shapes-deit", raw_input_contents=[x.tobytes()],
+                                                          inputs=[pb.ModelInferRequest.InferInputTensor(
+                                                              name="images", datatype="UINT8", shape=x.shape)]))
+                         for _ in range(4)]
+                await asyncio.sleep(0.5)  # accepted and queued: 192 images, batches of 4
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.5)
                 with pytest.raises(httpx.ConnectError):  # refused at once, while the accepted ones finish
                     httpx.get(f"{base}/health/ready", timeout=5)
-                return await asyncio.gather(*pending), time.monotonic()
+                return await asyncio.gather(*pending), await asyncio.gather(*calls), time.monotonic()
 
-        responses, answered = asyncio.run(requests_then_sigterm())
+        responses, answers, answered = asyncio.run(requests_then_sigterm())
         assert [r.status_code for r in responses] == [200] * 8
         assert all(len(r.json()["results"]) == 16 for r in responses)
+        assert [a.outputs[0].shape for a in answers] == [[16, 6]] * 4  # the gRPC calls under way finish too
         assert proc.wait(30) == 0 and time.monotonic() - answered < 15  # a clean exit, soon after the last answer
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{base}/health/live")

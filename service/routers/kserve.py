@@ -1,17 +1,14 @@
-"""The Open Inference Protocol (KServe v2) subset that Triton's clients use, over the same pipelines and batchers.
+"""The Open Inference Protocol (KServe v2) over REST, the subset that Triton's clients use (the protocol itself,
+apart from its transport, is open_inference.py; gRPC is grpc_server.py).
 
 Tensors travel as JSON `data` lists or, with the binary tensor extension (tritonclient's default), as raw
 little-endian bytes after the JSON header, whose length is in the Inference-Header-Content-Length header.
-One input per request, either of the graph's two:
-  pixel_values  FP32 [B, 3, H, W], already normalised, (x / 255 - mean) / std: the documented input, as before;
-  images        UINT8 [B, H, W, 3], pixels at the input size: a quarter of the bytes, normalised in the graph.
 Outputs (logits and attention outputs) come back as JSON, or as binary where the request asks for it
 (`binary_data` per output, or `binary_data_output` for all): then no float is formatted as text.
 Every answer is strict JSON: FP32 input that is not finite (NaN, infinity, or past FP32's range, as 1e39) is a
 400, and an output value that is not finite (a model can overflow on huge finite input) is written as null.
 """
 import json
-from functools import cache
 from importlib.metadata import version
 from typing import Any
 
@@ -19,13 +16,12 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field, ValidationError
 
-from ..errors import BadInput, NotFound
+from ..errors import BadInput
+from ..open_inference import find_model, input_batch, input_dtype, model_metadata, model_outputs
 from ..pipeline import Pipeline, Pipelines
-from ..records import output_names
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
 HEADER_LENGTH = "Inference-Header-Content-Length"
-DATATYPES = {"FP32": np.dtype("<f4"), "UINT8": np.dtype("u1")}
 
 
 def _pipelines(request: Request) -> Pipelines:
@@ -33,10 +29,7 @@ def _pipelines(request: Request) -> Pipelines:
 
 
 def _model(request: Request, name: str, version_: str | None) -> Pipeline:
-    pipelines = _pipelines(request)
-    if name not in pipelines.pipelines or version_ not in (None, "1"):
-        raise NotFound(f"no model {name!r}" + (f" version {version_}" if version_ else ""), "model_not_found")
-    return pipelines.pipelines[name]
+    return find_model(_pipelines(request), name, version_)
 
 
 class InputParameters(BaseModel):
@@ -81,9 +74,9 @@ def _json_end(body: bytes, header_length: str | None) -> int:
     return int(header_length)
 
 
-def parse_request(body: bytes, header_length: str | None, inputs: list[dict]) -> tuple[InferenceRequest, np.ndarray]:
-    """The request's JSON header and its one input batch, checked against the model's `inputs` (metadata).
-    Pydantic's JSON parser bounds the nesting (a body nested 5,000 deep is a 400, not a RecursionError)."""
+def parse_request(body: bytes, header_length: str | None, pipeline: Pipeline) -> tuple[InferenceRequest, np.ndarray]:
+    """The request's JSON header and its one input batch, checked against the model's inputs. Pydantic's JSON
+    parser bounds the nesting (a body nested 5,000 deep is a 400, not a RecursionError)."""
     json_end = _json_end(body, header_length)
     try:
         header = InferenceRequest.model_validate_json(body[:json_end])
@@ -93,28 +86,17 @@ def parse_request(body: bytes, header_length: str | None, inputs: list[dict]) ->
         raise BadInput("expected a JSON body with exactly one input tensor {name, shape, datatype, data}: "
                        + f"{where}: {first['msg']}".strip(": ")) from None
     tensor = header.inputs[0]
-    name, shape, datatype = tensor.name, tensor.shape, tensor.datatype
-    wanted = next((i for i in inputs if i["name"] == name), None)
-    if wanted is None or wanted["datatype"] != datatype:
-        raise BadInput(f"input {name!r} {datatype}; this model takes "
-                       + " or ".join(f"{i['name']!r} {i['datatype']} {i['shape']}" for i in inputs))
-    if len(shape) != 4 or shape[1:] != wanted["shape"][1:] or shape[0] < 1:
-        raise BadInput(f"input shape {shape}; this model takes {wanted['shape']} for {datatype}")
-    count, dtype = int(np.prod(shape)), DATATYPES[datatype]
+    dtype = input_dtype(pipeline, tensor.name, tensor.datatype, tensor.shape)
     size = tensor.parameters.binary_data_size
     try:
         if size is not None:
             data = np.frombuffer(body[json_end:json_end + size], dtype=dtype)
         else:
-            with np.errstate(over="ignore"):  # past FP32's range becomes inf, refused below
+            with np.errstate(over="ignore"):  # past FP32's range becomes inf, refused as not finite
                 data = np.asarray(tensor.data, dtype=dtype).ravel()
     except (ValueError, TypeError, OverflowError):
         raise BadInput("input data is missing or not numbers") from None
-    if data.size != count:
-        raise BadInput(f"input has {data.size} values for shape {shape} ({count})")
-    if datatype == "FP32" and not np.isfinite(data).all():
-        raise BadInput("input has values that are not finite (NaN, infinity, or past FP32's range)", "non_finite")
-    return header, data.reshape(shape)
+    return header, input_batch(data, tensor.shape)
 
 
 def json_numbers(value: np.ndarray) -> list:
@@ -126,17 +108,15 @@ def json_numbers(value: np.ndarray) -> list:
     return np.where(np.isfinite(flat), flat, None).tolist()
 
 
-def build_response(pipeline: Pipeline, header: InferenceRequest, outputs: dict[str, np.ndarray]) -> Response:
+def build_response(pipeline: Pipeline, header: InferenceRequest, fields: dict[str, np.ndarray]) -> Response:
     """JSON, or JSON header + raw bytes for the outputs asked for in binary."""
-    asked = header.outputs or [RequestOutput(name=name) for name in outputs]
+    asked = header.outputs or []
+    outputs = model_outputs(pipeline, fields, [out.name for out in asked])
+    binary = {out.name: out.parameters.binary_data for out in asked}
     tensors, blobs = [], []
-    for out in asked:
-        if out.name not in outputs:
-            raise BadInput(f"no output {out.name!r}; outputs: {', '.join(outputs)}")
-        value = np.ascontiguousarray(outputs[out.name], dtype="<f4")
-        tensor = {"name": out.name, "datatype": "FP32", "shape": list(value.shape)}
-        binary = out.parameters.binary_data
-        if header.parameters.binary_data_output if binary is None else binary:
+    for name, value in outputs.items():
+        tensor = {"name": name, "datatype": "FP32", "shape": list(value.shape)}
+        if header.parameters.binary_data_output if binary.get(name) is None else binary[name]:
             blobs.append(value.tobytes())
             tensor["parameters"] = {"binary_data_size": len(blobs[-1])}
         else:
@@ -183,10 +163,9 @@ async def infer(request: Request, name: str) -> Response:
 async def infer_version(request: Request, name: str, version_: str | None) -> Response:
     _model(request, name, version_)
     pipeline = _pipelines(request).get(name)
-    header, batch = parse_request(await request.body(), request.headers.get(HEADER_LENGTH),
-                                  model_metadata(pipeline)["inputs"])
+    header, batch = parse_request(await request.body(), request.headers.get(HEADER_LENGTH), pipeline)
     out = await pipeline.tensors(batch)
-    return build_response(pipeline, header, {k: out.fields[k] for k in output_names(pipeline.entry)})
+    return build_response(pipeline, header, out.fields)
 
 
 @router.get("", summary="Server metadata")
@@ -204,21 +183,6 @@ async def ready(request: Request) -> dict:
     if not _pipelines(request).ready:
         raise BadInput("the server is still loading its models", "not_ready")  # v2: 4xx means false
     return {"ready": True}
-
-
-@cache  # read on every infer request; the same for the pipeline's lifetime
-def model_metadata(pipeline: Pipeline) -> dict:
-    """The model's inputs (send one of them) and outputs."""
-    m = pipeline.entry.manifest
-    h, w = m["input"]["size"]
-    return {
-        "name": pipeline.name, "versions": ["1"], "platform": "onnxruntime_onnx",
-        "parameters": {"preprocessing": pipeline.entry.preprocessing},  # how to make `pixel_values` from a photo
-        "inputs": [{"name": m["tensor_input"]["name"], "datatype": "FP32", "shape": [-1, 3, h, w]},
-                   {"name": m["input"]["name"], "datatype": "UINT8", "shape": [-1, h, w, 3]}],
-        "outputs": [{"name": o["name"], "datatype": "FP32", "shape": [-1 if d == "batch" else d for d in o["shape"]]}
-                    for o in m["outputs"]],
-    }
 
 
 METADATA = {"summary": "Model metadata: inputs, outputs and preprocessing"}

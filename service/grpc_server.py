@@ -1,0 +1,167 @@
+"""The Open Inference Protocol over gRPC: `inference.GRPCInferenceService`, what `tritonclient.grpc`, KServe and
+MLServer clients speak, on its own port beside the HTTP server (VITSERVE_GRPC_PORT, 8001 as Triton's; 0: off).
+
+It runs in the HTTP server's event loop over the same pipelines, batchers, limits and metrics as the REST routes,
+so one batch can hold images from REST and gRPC clients. Under the process backend every HTTP worker serves it on
+the one port (SO_REUSEPORT: the kernel spreads the connections over the workers). Inputs come as
+`raw_input_contents` (what tritonclient.grpc sends) or typed `contents`; outputs go back as `raw_output_contents`.
+Errors are status codes, as Triton's: INVALID_ARGUMENT for a bad tensor, NOT_FOUND for an unknown model,
+UNAVAILABLE (trailing metadata `retry-after`, seconds) when overloaded or loading, RESOURCE_EXHAUSTED for more
+images than a queue holds, UNAUTHENTICATED without the API key (metadata `x-api-key`) where one is set.
+"""
+import functools
+import hmac
+import logging
+import time
+from importlib.metadata import version
+
+import grpc
+import numpy as np
+
+from .errors import BadInput, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
+from .metrics import Metrics
+from .open_inference import find_model, input_batch, input_dtype, model_metadata, model_outputs
+from .pipeline import Pipelines
+from .protocol import open_inference_pb2 as pb
+from .settings import Settings
+
+log = logging.getLogger("vitserve")
+
+
+class Unauthenticated(ServiceError):
+    code = "unauthorized"
+
+
+STATUS = {BadInput: grpc.StatusCode.INVALID_ARGUMENT, UnsupportedMedia: grpc.StatusCode.INVALID_ARGUMENT,
+          NotFound: grpc.StatusCode.NOT_FOUND, TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          Unavailable: grpc.StatusCode.UNAVAILABLE, Unauthenticated: grpc.StatusCode.UNAUTHENTICATED}
+SERVICE = "inference.GRPCInferenceService"
+RPCS = {  # each method's request and response messages
+    "ServerLive": (pb.ServerLiveRequest, pb.ServerLiveResponse),
+    "ServerReady": (pb.ServerReadyRequest, pb.ServerReadyResponse),
+    "ServerMetadata": (pb.ServerMetadataRequest, pb.ServerMetadataResponse),
+    "ModelReady": (pb.ModelReadyRequest, pb.ModelReadyResponse),
+    "ModelMetadata": (pb.ModelMetadataRequest, pb.ModelMetadataResponse),
+    "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse),
+}
+OPEN = {"ServerLive", "ServerReady", "ServerMetadata"}  # as /v2 and the health routes: no key asked
+
+
+def rpc(method):
+    """An RPC's errors as status codes, its key checked (where one is set), and it counted and timed as the
+    HTTP routes are (route: its gRPC method path; method: GRPC; status: the code's name)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handle(self: "InferenceService", request, context: grpc.aio.ServicerContext):
+        start, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            if name not in OPEN:
+                self.authorize(context)
+            return await method(self, request, context)
+        except ServiceError as e:
+            code = STATUS.get(type(e), grpc.StatusCode.INTERNAL)
+            retry = () if e.retry_after_s is None else (("retry-after", str(e.retry_after_s)),)
+            await context.abort(code, e.message, trailing_metadata=retry)
+        except Exception as e:  # a fault of the server's, as REST's 500 (an abort and a cancellation pass by)
+            code = grpc.StatusCode.INTERNAL
+            log.exception("gRPC %s failed", name)
+            await context.abort(code, f"the server failed: {type(e).__name__}: {e}")
+        finally:
+            self.count(name, code, time.perf_counter() - start)
+
+    return handle
+
+
+class InferenceService:
+    def __init__(self, pipelines: Pipelines, settings: Settings, metrics: Metrics):
+        self.pipelines, self.metrics = pipelines, metrics
+        self.key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
+        self._series: dict[tuple[str, grpc.StatusCode], tuple] = {}
+
+    def count(self, name: str, code: grpc.StatusCode, seconds: float) -> None:
+        """One call in the request metrics; each labelled series looked up once."""
+        series = self._series.get((name, code))
+        if series is None:
+            route = f"/{SERVICE}/{name}"
+            series = self._series[name, code] = (self.metrics.requests.labels(route, "GRPC", code.name),
+                                                 self.metrics.request_seconds.labels(route))
+        series[0].inc()
+        series[1].observe(seconds)
+
+    def authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self.key is None:
+            return
+        given = dict(context.invocation_metadata() or ()).get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), self.key):
+            raise Unauthenticated("wrong API key" if given else "this server needs an API key: send it in the "
+                                   "x-api-key metadata")
+
+    @rpc
+    async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    @rpc
+    async def ServerReady(self, request: pb.ServerReadyRequest, context) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.pipelines.ready)
+
+    @rpc
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="vitserve", version=version("vitserve"), extensions=[])
+
+    @rpc
+    async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
+        pipeline = find_model(self.pipelines, request.name, request.version)
+        return pb.ModelReadyResponse(ready=self.pipelines.backend.status()[pipeline.name].ready)
+
+    @rpc
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
+        metadata = model_metadata(find_model(self.pipelines, request.name, request.version))
+        tensors = {kind: [pb.ModelMetadataResponse.TensorMetadata(**t) for t in metadata[kind]]
+                   for kind in ("inputs", "outputs")}
+        return pb.ModelMetadataResponse(name=metadata["name"], versions=metadata["versions"],
+                                        platform=metadata["platform"], **tensors)
+
+    @rpc
+    async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        find_model(self.pipelines, request.model_name, request.model_version)
+        pipeline = self.pipelines.get(request.model_name)
+        if len(request.inputs) != 1:
+            raise BadInput(f"{len(request.inputs)} input tensors; send exactly one, `images` or `pixel_values`")
+        tensor, shape = request.inputs[0], list(request.inputs[0].shape)
+        dtype = input_dtype(pipeline, tensor.name, tensor.datatype, shape)
+        out = await pipeline.tensors(input_batch(tensor_values(request, dtype), shape))
+        outputs = model_outputs(pipeline, out.fields, [o.name for o in request.outputs])
+        response = pb.ModelInferResponse(model_name=pipeline.name, model_version="1", id=request.id)
+        for name, value in outputs.items():
+            response.outputs.add(name=name, datatype="FP32", shape=value.shape)
+            response.raw_output_contents.append(value.tobytes())
+        return response
+
+
+def tensor_values(request: pb.ModelInferRequest, dtype: np.dtype) -> np.ndarray:
+    """The one input's values, flat: from `raw_input_contents` (little-endian bytes) or its typed `contents`."""
+    if request.raw_input_contents:
+        return np.frombuffer(request.raw_input_contents[0], dtype)
+    contents = request.inputs[0].contents
+    if dtype == np.uint8:
+        values = np.asarray(contents.uint_contents, np.uint32)
+        if values.size and values.max() > 255:
+            raise BadInput("UINT8 contents hold values above 255")
+        return values.astype(np.uint8)
+    return np.asarray(contents.fp32_contents, dtype)
+
+
+async def start(pipelines: Pipelines, settings: Settings, metrics: Metrics, shared_port: bool) -> grpc.aio.Server:
+    """The gRPC server on settings.grpc_port, started; `shared_port`: bound with SO_REUSEPORT, beside the other
+    HTTP workers' servers. Messages are bounded as HTTP bodies are (VITSERVE_MAX_UPLOAD_BYTES)."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", settings.max_upload_bytes),
+                                      ("grpc.so_reuseport", int(shared_port))])
+    service = InferenceService(pipelines, settings, metrics)
+    handlers = {name: grpc.unary_unary_rpc_method_handler(getattr(service, name), request.FromString,
+                                                          response.SerializeToString)
+                for name, (request, response) in RPCS.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")  # a port in use raises here
+    await server.start()
+    return server

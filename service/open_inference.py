@@ -1,0 +1,71 @@
+"""The Open Inference Protocol (KServe v2) apart from its transport: which model a request names, the model's
+metadata, and a request's one input batch checked against it. The REST routes (routers/kserve.py) and the gRPC
+service (grpc_server.py) speak it over the same pipelines.
+
+One input per request, either of the graph's two:
+  pixel_values  FP32 [B, 3, H, W], already normalised, (x / 255 - mean) / std;
+  images        UINT8 [B, H, W, 3], pixels at the input size: a quarter of the bytes, normalised in the graph.
+FP32 input must be finite: NaN, infinity or a value past FP32's range (1e39) is a BadInput.
+"""
+from functools import cache
+
+import numpy as np
+
+from .errors import BadInput, NotFound
+from .pipeline import Pipeline, Pipelines
+from .records import output_names
+
+DATATYPES = {"FP32": np.dtype("<f4"), "UINT8": np.dtype("u1")}
+
+
+def find_model(pipelines: Pipelines, name: str, version: str | None) -> Pipeline:
+    """The named model, ready or not (NotFound for an unknown name, or a version other than 1)."""
+    if name not in pipelines.pipelines or version not in (None, "", "1"):
+        raise NotFound(f"no model {name!r}" + (f" version {version}" if version else ""), "model_not_found")
+    return pipelines.pipelines[name]
+
+
+@cache  # read on every infer request; the same for the pipeline's lifetime
+def model_metadata(pipeline: Pipeline) -> dict:
+    """The model's inputs (send one of them) and outputs."""
+    m = pipeline.entry.manifest
+    h, w = m["input"]["size"]
+    return {
+        "name": pipeline.name, "versions": ["1"], "platform": "onnxruntime_onnx",
+        "parameters": {"preprocessing": pipeline.entry.preprocessing},  # how to make `pixel_values` from a photo
+        "inputs": [{"name": m["tensor_input"]["name"], "datatype": "FP32", "shape": [-1, 3, h, w]},
+                   {"name": m["input"]["name"], "datatype": "UINT8", "shape": [-1, h, w, 3]}],
+        "outputs": [{"name": o["name"], "datatype": "FP32", "shape": [-1 if d == "batch" else d for d in o["shape"]]}
+                    for o in m["outputs"]],
+    }
+
+
+def input_dtype(pipeline: Pipeline, name: str, datatype: str, shape: list[int]) -> np.dtype:
+    """The dtype of a request's input, once its name, datatype and shape are checked against the model's."""
+    inputs = model_metadata(pipeline)["inputs"]
+    wanted = next((i for i in inputs if i["name"] == name), None)
+    if wanted is None or wanted["datatype"] != datatype:
+        raise BadInput(f"input {name!r} {datatype}; this model takes "
+                       + " or ".join(f"{i['name']!r} {i['datatype']} {i['shape']}" for i in inputs))
+    if len(shape) != 4 or shape[1:] != wanted["shape"][1:] or shape[0] < 1:
+        raise BadInput(f"input shape {shape}; this model takes {wanted['shape']} for {datatype}")
+    return DATATYPES[datatype]
+
+
+def input_batch(data: np.ndarray, shape: list[int]) -> np.ndarray:
+    """A request's flat input values as its batch, once there are as many as its shape holds, all finite."""
+    count = int(np.prod(shape))
+    if data.size != count:
+        raise BadInput(f"input has {data.size} values for shape {shape} ({count})")
+    if data.dtype.kind == "f" and not np.isfinite(data).all():
+        raise BadInput("input has values that are not finite (NaN, infinity, or past FP32's range)", "non_finite")
+    return data.reshape(shape)
+
+
+def model_outputs(pipeline: Pipeline, fields: dict[str, np.ndarray], asked: list[str]) -> dict[str, np.ndarray]:
+    """The outputs asked for (all where none are), by name, as little-endian FP32."""
+    names = output_names(pipeline.entry)
+    unknown = [name for name in asked if name not in names]
+    if unknown:
+        raise BadInput(f"no output {unknown[0]!r}; outputs: {', '.join(names)}")
+    return {name: np.ascontiguousarray(fields[name], dtype="<f4") for name in asked or names}

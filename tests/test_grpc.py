@@ -1,0 +1,185 @@
+"""The Open Inference Protocol over gRPC, on both backends: Triton's own client (tritonclient.grpc) against the
+real server on loopback; the same answers as a direct session and the REST route; errors as status codes;
+overload, cancellation, and batches shared with REST clients."""
+import asyncio
+import io
+import json
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+import tritonclient.http as triton_http
+from PIL import Image
+from service_process import ROOT, free_port, metric, model_pixels, photo_bytes, run_graph, running_service
+from skimage import data as photos
+from tritonclient.utils import InferenceServerException
+
+from repository import InputPolicy
+from service.grpc_server import SERVICE
+from service.protocol import open_inference_pb2 as pb
+
+KEY = {"x-api-key": "secret"}  # tritonclient adds to the headers it is given: each call gets a copy
+MODEL = "shapes-deit"
+QUEUE_LIMIT = 64
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def served(request):
+    port = free_port()
+    with running_service(backend=request.param, workers=2, grpc_port=port, api_key="secret", max_batch_size=8,
+                         queue_limit=QUEUE_LIMIT, max_queue_delay_ms=500) as url:
+        yield url, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with triton.InferenceServerClient(served[1]) as c:
+        yield c
+
+
+def images(n: int) -> np.ndarray:
+    return np.stack([model_pixels(ROOT / "model_repository" / MODEL, photo_bytes(name, "JPEG"))
+                     for name in ("chelsea", "astronaut", "coffee", "rocket")[:n]])
+
+
+def infer(client: triton.InferenceServerClient, x: np.ndarray, name: str, outputs: list[str] | None = None,
+          model: str = MODEL, headers: dict | None = KEY) -> triton.InferResult:
+    tensor = triton.InferInput(name, list(x.shape), "UINT8" if x.dtype == np.uint8 else "FP32")
+    tensor.set_data_from_numpy(x)
+    asked = [triton.InferRequestedOutput(o) for o in outputs] if outputs else None
+    return client.infer(model, [tensor], outputs=asked, headers=dict(headers or {}))
+
+
+def status_of(call) -> tuple[str, str]:
+    with pytest.raises(InferenceServerException) as e:
+        call()
+    return e.value.status(), e.value.message()
+
+
+def test_both_inputs_give_a_direct_sessions_answers_and_the_rest_routes(served, client):
+    x = images(3)
+    want = run_graph(ROOT / "model_repository" / MODEL / "model.onnx", x)
+    got = infer(client, x, "images")
+    np.testing.assert_allclose(got.as_numpy("logits"), want[0], atol=1e-5)
+    assert {o.name for o in got.get_response().outputs} == {"logits", "cls_attention", "dist_attention"}
+    pixels = InputPolicy.from_manifest(json.loads((ROOT / "model_repository" / MODEL / "manifest.json").read_text())[
+        "input"]).normalise(x)
+    only_logits = infer(client, pixels, "pixel_values", outputs=["logits"])
+    assert [o.name for o in only_logits.get_response().outputs] == ["logits"]
+    np.testing.assert_allclose(only_logits.as_numpy("logits"), want[0], atol=1e-4)
+    with triton_http.InferenceServerClient(served[0].removeprefix("http://")) as rest:
+        tensor = triton_http.InferInput("images", list(x.shape), "UINT8")
+        tensor.set_data_from_numpy(x)
+        np.testing.assert_array_equal(rest.infer(MODEL, [tensor], headers=dict(KEY)).as_numpy("logits"),
+                                      got.as_numpy("logits"))
+
+
+def test_health_and_metadata_as_the_rest_routes_say(served, client):
+    assert client.is_server_live() and client.is_server_ready()  # open, as /v2/health: no key asked
+    assert client.get_server_metadata().name == "vitserve"
+    assert client.is_model_ready(MODEL, headers=dict(KEY))
+    metadata = client.get_model_metadata(MODEL, headers=dict(KEY), as_json=True)
+    rest = httpx.get(f"{served[0]}/v2/models/{MODEL}", headers={"X-API-Key": "secret"}).json()
+    assert metadata["name"] == rest["name"] and metadata["platform"] == rest["platform"]
+    for kind in ("inputs", "outputs"):
+        assert [(t["name"], t["datatype"], [int(d) for d in t["shape"]]) for t in metadata[kind]] == [
+            (t["name"], t["datatype"], t["shape"]) for t in rest[kind]]
+
+
+def test_errors_are_status_codes(client):
+    x = images(1)
+    cases = {
+        "StatusCode.NOT_FOUND": lambda: infer(client, x, "images", model="no-such-model"),
+        "StatusCode.INVALID_ARGUMENT": lambda: infer(client, x[:, :48], "images"),
+        "StatusCode.UNAUTHENTICATED": lambda: infer(client, x, "images", headers={"x-api-key": "wrong"}),
+        "StatusCode.RESOURCE_EXHAUSTED": lambda: infer(client, np.repeat(x, QUEUE_LIMIT + 1, axis=0), "images"),
+    }
+    for code, call in cases.items():
+        status, message = status_of(call)
+        assert status == code, (code, message)
+    status, message = status_of(lambda: infer(client, np.full((1, 3, 96, 96), np.nan, np.float32), "pixel_values"))
+    assert status == "StatusCode.INVALID_ARGUMENT" and "not finite" in message
+    status, message = status_of(lambda: infer(client, x, "images", outputs=["nothing"]))
+    assert status == "StatusCode.INVALID_ARGUMENT" and "no output 'nothing'" in message
+    assert infer(client, x, "images").as_numpy("logits").shape == (1, 6)  # and it serves on
+
+
+def request(x: np.ndarray) -> pb.ModelInferRequest:
+    return pb.ModelInferRequest(model_name=MODEL, inputs=[pb.ModelInferRequest.InferInputTensor(
+        name="images", datatype="UINT8", shape=x.shape)], raw_input_contents=[x.tobytes()])
+
+
+def model_infer(channel: grpc.aio.Channel):
+    return channel.unary_unary(f"/{SERVICE}/ModelInfer", pb.ModelInferRequest.SerializeToString,
+                               pb.ModelInferResponse.FromString)
+
+
+async def flood(target: str, calls: int, x: np.ndarray, cancel_after_s: float | None = None) -> list:
+    """`calls` ModelInfer calls at once on one channel; each one's response or its error (or None, cancelled)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        pending = [model_infer(channel)(request(x), metadata=tuple(KEY.items())) for _ in range(calls)]
+        if cancel_after_s is not None:
+            await asyncio.sleep(cancel_after_s)
+            for call in pending:
+                call.cancel()
+        return await asyncio.gather(*pending, return_exceptions=True)
+
+
+def test_overload_is_unavailable_with_a_retry_hint_and_every_answer_is_right(served):
+    x = np.repeat(images(1), 8, axis=0)
+    want = run_graph(ROOT / "model_repository" / MODEL / "model.onnx", x[:1])[0]
+    answers = asyncio.run(flood(served[1], 40, x))  # 320 images for a queue of 64
+    refused = [a for a in answers if isinstance(a, grpc.aio.AioRpcError)]
+    assert refused and all(a.code() == grpc.StatusCode.UNAVAILABLE for a in refused), refused[:1]
+    assert ("retry-after", "1") in tuple(refused[0].trailing_metadata())
+    served_ok = [a for a in answers if isinstance(a, pb.ModelInferResponse)]
+    assert served_ok and len(served_ok) + len(refused) == 40
+    for answer in served_ok:
+        logits = np.frombuffer(answer.raw_output_contents[0], "<f4").reshape(8, 6)
+        np.testing.assert_allclose(logits, np.repeat(want, 8, axis=0), atol=1e-5)
+
+
+def test_a_cancelled_call_leaves_the_queue_and_is_not_computed(served):
+    def images_run() -> float:
+        return metric(httpx.get(f"{served[0]}/metrics").text, "vitserve_images_total", model=MODEL)
+
+    before, x = images_run(), np.repeat(images(1), 8, axis=0)
+    answers = asyncio.run(flood(served[1], 8, x, cancel_after_s=0.005))  # 64 images, cancelled as they queue
+    assert all(isinstance(a, asyncio.CancelledError) or isinstance(a, pb.ModelInferResponse) for a in answers)
+    asyncio.run(flood(served[1], 1, x[:1]))  # the queue is free: served at once
+    assert images_run() - before < 64 + 1
+    assert metric(httpx.get(f"{served[0]}/metrics").text, "vitserve_queue_depth", model=MODEL) == 0
+
+
+def test_grpc_and_rest_clients_share_batches(served):
+    """A large PNG uploaded to /classify while one-image gRPC calls follow each other: a partial batch waits (up to
+    the queue delay) for images still decoding, so the photo runs in a batch with the gRPC calls' tensors, as the
+    batch size /classify reports says."""
+    x = images(1)
+    png = io.BytesIO()
+    Image.fromarray(photos.astronaut()).resize((1200, 1200)).save(png, format="PNG", compress_level=1)
+
+    async def together() -> tuple[httpx.Response, list]:
+        async with (httpx.AsyncClient(timeout=30, headers={"X-API-Key": "secret"}) as rest,
+                    grpc.aio.insecure_channel(served[1]) as channel):
+            infer, metadata = model_infer(channel), tuple(KEY.items())
+            upload = lambda: rest.post(f"{served[0]}/classify", params={"model": MODEL},  # noqa: E731
+                                       files={"file": ("big.png", png.getvalue())})
+            await asyncio.gather(upload(), infer(request(x), metadata=metadata))  # connections made
+            uploaded, calls = asyncio.create_task(upload()), []
+
+            async def calling():
+                while not uploaded.done():
+                    calls.append(await infer(request(x), metadata=metadata))
+
+            await asyncio.gather(*(calling() for _ in range(2)))
+            return await uploaded, calls
+
+    shared = []
+    for _ in range(3):
+        response, calls = asyncio.run(together())
+        assert response.status_code == 200 and all(isinstance(c, pb.ModelInferResponse) for c in calls)
+        shared.append((response.json()["results"][0]["batch_size"], len(calls)))
+    assert any(size > 1 for size, _ in shared), shared  # its only image ran beside others: the gRPC calls' (no other client sends)
