@@ -5,10 +5,13 @@ It runs in the HTTP server's event loop over the same pipelines, batchers, limit
 so one batch can hold images from REST and gRPC clients. Under the process backend every HTTP worker serves it on
 the one port (SO_REUSEPORT: the kernel spreads the connections over the workers). Inputs come as
 `raw_input_contents` (what tritonclient.grpc sends) or typed `contents`; outputs go back as `raw_output_contents`.
+ModelStreamInfer, Triton's bidirectional stream (tritonclient.grpc's start_stream), answers each request of a
+stream as ModelInfer would, in the order they finish.
 Errors are status codes, as Triton's: INVALID_ARGUMENT for a bad tensor, NOT_FOUND for an unknown model,
 UNAVAILABLE (trailing metadata `retry-after`, seconds) when overloaded or loading, RESOURCE_EXHAUSTED for more
 images than a queue holds, UNAUTHENTICATED without the API key (metadata `x-api-key`) where one is set.
 """
+import asyncio
 import functools
 import hmac
 import logging
@@ -124,6 +127,43 @@ class InferenceService:
 
     @rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        return await self.infer(request)
+
+    async def ModelStreamInfer(self, requests, context: grpc.aio.ServicerContext):
+        """Triton's stream: every request answered as ModelInfer answers it, in the order they finish (a response
+        carries its request's id), an error as a response's message while the stream goes on. Each request is
+        counted in the request metrics; a client that ends the call cancels what it still waits for."""
+        try:
+            self.authorize(context)
+        except Unauthenticated as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, e.message)
+        answers: asyncio.Queue = asyncio.Queue()
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            start, code = time.perf_counter(), grpc.StatusCode.OK
+            try:
+                await answers.put(pb.ModelStreamInferResponse(infer_response=await self.infer(request)))
+            except ServiceError as e:
+                code = STATUS.get(type(e), grpc.StatusCode.INTERNAL)
+                await answers.put(pb.ModelStreamInferResponse(error_message=e.message,
+                                                              infer_response=pb.ModelInferResponse(id=request.id)))
+            finally:
+                self.count("ModelStreamInfer", code, time.perf_counter() - start)
+
+        async def read() -> None:
+            async with asyncio.TaskGroup() as calls:
+                async for request in requests:
+                    calls.create_task(answer(request))
+            await answers.put(None)  # every request read and answered
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await answers.get()) is not None:
+                yield response
+        finally:
+            reader.cancel()
+
+    async def infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         find_model(self.pipelines, request.model_name, request.model_version)
         pipeline = self.pipelines.get(request.model_name)
         if len(request.inputs) != 1:
@@ -161,6 +201,8 @@ async def start(pipelines: Pipelines, settings: Settings, metrics: Metrics, shar
     handlers = {name: grpc.unary_unary_rpc_method_handler(getattr(service, name), request.FromString,
                                                           response.SerializeToString)
                 for name, (request, response) in RPCS.items()}
+    handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+        service.ModelStreamInfer, pb.ModelInferRequest.FromString, pb.ModelStreamInferResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")  # a port in use raises here
     await server.start()

@@ -1,9 +1,10 @@
 """The Open Inference Protocol over gRPC, on both backends: Triton's own client (tritonclient.grpc) against the
 real server on loopback; the same answers as a direct session and the REST route; errors as status codes;
-overload, cancellation, and batches shared with REST clients."""
+overload, cancellation, batches shared with REST clients, and Triton's stream."""
 import asyncio
 import io
 import json
+import queue
 
 import grpc
 import httpx
@@ -182,4 +183,30 @@ def test_grpc_and_rest_clients_share_batches(served):
         response, calls = asyncio.run(together())
         assert response.status_code == 200 and all(isinstance(c, pb.ModelInferResponse) for c in calls)
         shared.append((response.json()["results"][0]["batch_size"], len(calls)))
-    assert any(size > 1 for size, _ in shared), shared  # its only image ran beside others: the gRPC calls' (no other client sends)
+    # its only image ran beside others at least once: the gRPC calls' (no other client sends)
+    assert any(size > 1 for size, _ in shared), shared
+
+
+def test_a_stream_answers_every_request_and_a_bad_one_with_its_error(client):
+    """Triton's bidirectional stream (tritonclient.grpc's start_stream): each request answered by id, in the order
+    they finish; a bad one's error comes as its answer and the stream goes on."""
+    x, answers = images(2), queue.Queue()
+    want = run_graph(ROOT / "model_repository" / MODEL / "model.onnx", x)[0]
+    client.start_stream(callback=lambda result, error: answers.put((result, error)), headers=dict(KEY))
+    try:
+        for i in range(6):
+            tensor = triton.InferInput("images", list(x.shape), "UINT8")
+            tensor.set_data_from_numpy(x)
+            client.async_stream_infer(MODEL, [tensor], request_id=str(i))
+        bad = triton.InferInput("images", [1, 48, 96, 3], "UINT8")
+        bad.set_data_from_numpy(np.zeros((1, 48, 96, 3), np.uint8))
+        client.async_stream_infer(MODEL, [bad], request_id="bad")
+        got = [answers.get(timeout=30) for _ in range(7)]
+    finally:
+        client.stop_stream()
+    logits = {result.get_response().id: result.as_numpy("logits") for result, error in got if error is None}
+    assert sorted(logits) == [str(i) for i in range(6)]
+    for value in logits.values():
+        np.testing.assert_allclose(value, want, atol=1e-5)
+    (error,) = [error for _, error in got if error is not None]
+    assert "input shape [1, 48, 96, 3]" in error.message()
