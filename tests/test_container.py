@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from service_process import ROOT, direct_probabilities, free_port, photo_bytes
+import tritonclient.grpc as triton
+from service_process import ROOT, direct_probabilities, free_port, model_pixels, photo_bytes
 
 pytestmark = pytest.mark.container
 
@@ -98,8 +99,9 @@ def ready(url: str) -> bool:
 
 
 def test_the_cpu_image_serves_every_route_as_a_direct_session_and_stops_cleanly(cpu_image):
-    port, name = free_port(), f"vitserve-test-{os.getpid()}"
-    started = podman("run", "--detach", "--name", name, "--publish", f"127.0.0.1:{port}:8000", cpu_image)
+    port, grpc_port, name = free_port(), free_port(), f"vitserve-test-{os.getpid()}"
+    started = podman("run", "--detach", "--name", name, "--publish", f"127.0.0.1:{port}:8000",
+                     "--publish", f"127.0.0.1:{grpc_port}:8001", cpu_image)
     assert started.returncode == 0, started.stderr
     url = f"http://127.0.0.1:{port}"
     try:
@@ -118,6 +120,13 @@ def test_the_cpu_image_serves_every_route_as_a_direct_session_and_stops_cleanly(
         got = {p["index"]: p["score"] for p in result["predictions"]}
         want = direct_probabilities(ROOT / "model_repository" / "shapes-swin", jpeg)
         np.testing.assert_allclose([got[i] for i in range(6)], want, atol=1e-5)
+        with triton.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:  # the Open Inference Protocol's gRPC
+            x = model_pixels(ROOT / "model_repository" / "shapes-swin", jpeg)[None]
+            tensor = triton.InferInput("images", list(x.shape), "UINT8")
+            tensor.set_data_from_numpy(x)
+            logits = client.infer("shapes-swin", [tensor]).as_numpy("logits")[0].astype(np.float64)
+        np.testing.assert_allclose(np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum(), want,
+                                   atol=1e-5)
         png = httpx.get(f"{url}{result['attention_map_url']}", timeout=60)
         assert png.status_code == 200 and png.headers["content-type"] == "image/png" and png.content[:4] == b"\x89PNG"
         faces = httpx.post(f"{url}/expression", files={"file": ("astronaut.jpg", photo_bytes("astronaut", "JPEG"))},
