@@ -143,9 +143,12 @@ class InferenceService:
             start, code = time.perf_counter(), grpc.StatusCode.OK
             try:
                 await answers.put(pb.ModelStreamInferResponse(infer_response=await self.infer(request)))
-            except ServiceError as e:
+            except Exception as e:  # the client's mistake or the server's fault: said, and the stream goes on
                 code = STATUS.get(type(e), grpc.StatusCode.INTERNAL)
-                await answers.put(pb.ModelStreamInferResponse(error_message=e.message,
+                if code == grpc.StatusCode.INTERNAL:
+                    log.exception("gRPC ModelStreamInfer failed")
+                message = e.message if isinstance(e, ServiceError) else f"the server failed: {type(e).__name__}: {e}"
+                await answers.put(pb.ModelStreamInferResponse(error_message=message,
                                                               infer_response=pb.ModelInferResponse(id=request.id)))
             finally:
                 self.count("ModelStreamInfer", code, time.perf_counter() - start)
