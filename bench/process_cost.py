@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -145,12 +147,18 @@ def cpu_by_role(supervisor: int) -> dict[str, float]:
     return seconds
 
 
-def measure(url: str, supervisor: int, request: wrk.Request | str, clients: int, seconds: float,
-            x=None) -> dict[str, float]:
-    """One load's figures and each role's CPU ms per request; `request` a gRPC target (host:port) with `x`."""
+def load(url: str, grpc_target: str, request: wrk.Request | np.ndarray, clients: int, seconds: float) -> wrk.Figures:
+    """wrk's figures for an HTTP request; for a tensor, gRPC ModelInfer's of it at `grpc_target`."""
+    if isinstance(request, np.ndarray):
+        return wrk.grpc_run(grpc_target, "null", "images", request, clients, seconds)
+    return wrk.run(url, request, clients, seconds)
+
+
+def measure(url: str, grpc_target: str, supervisor: int, request: wrk.Request | np.ndarray, clients: int,
+            seconds: float) -> dict[str, float]:
+    """One load's figures and each role's CPU ms per request."""
     before = cpu_by_role(supervisor)
-    figures = (wrk.grpc_run(request, "null", "images", x, clients, seconds) if x is not None else
-               wrk.run(url, request, clients, seconds))
+    figures = load(url, grpc_target, request, clients, seconds)
     after = cpu_by_role(supervisor)
     done = figures.requests_per_s * seconds
     out = {"requests_per_s": figures.requests_per_s, "p50": figures.p50_ms, "errors": figures.errors}
@@ -172,8 +180,9 @@ def http(repo: Path, args: argparse.Namespace, ceilings: dict[tuple[int, int], f
     pixels = model_pixels(repo / "null", jpeg)
     decode_ms = decode_cpu_ms(jpeg, read_entry(repo / "null").policy)
     grpc_port = free_port()
+    grpc_target = f"127.0.0.1:{grpc_port}"
     requests = {(route, n): (wrk.v2_request("null", "images", pixels[None].repeat(n, 0)) if route == "v2" else
-                             f"127.0.0.1:{grpc_port}" if route == "grpc" else
+                             pixels[None].repeat(n, 0) if route == "grpc" else
                              wrk.classify_request(jpeg, n, query="model=null&top_k=1"))
                 for route in args.routes for n in args.images}
     batch = args.max_batch_size[0]
@@ -181,17 +190,13 @@ def http(repo: Path, args: argparse.Namespace, ceilings: dict[tuple[int, int], f
     with running_service(model_repository=repo, backend="process", workers=args.workers, access_log=False,
                          max_batch_size=batch, queue_limit=1024, max_files=64, grpc_port=grpc_port) as url:
         supervisor = supervisor_pid(int(url.rsplit(":", 1)[1]))
-        for (route, n), request in requests.items():  # warm-up: connections, pages of the arenas
-            if route == "grpc":
-                wrk.grpc_run(request, "null", "images", pixels[None].repeat(n, 0), max(args.clients), 1)
-            else:
-                wrk.run(url, request, max(args.clients), 1)
+        for request in requests.values():  # warm-up: connections, pages of the arenas
+            load(url, grpc_target, request, max(args.clients), 1)
         for _ in range(args.rounds):
             for (route, n), request in requests.items():
-                x = pixels[None].repeat(n, 0) if route == "grpc" else None
                 for clients in args.clients:
                     runs.setdefault((route, n, clients), []).append(
-                        measure(url, supervisor, request, clients, args.seconds, x))
+                        measure(url, grpc_target, supervisor, request, clients, args.seconds))
     print(f"\nThrough HTTP: {args.workers} HTTP workers, max batch {batch}, wrk on the same {os.cpu_count()} cores; "
           f"medians of {args.rounds} rounds of {args.seconds:g}s. CPU ms per image (per request in brackets); "
           f"decoding and resizing the JPEG costs one thread {decode_ms:.2f} ms here")

@@ -6,7 +6,6 @@ reduction that still covers the model's input, which is most of the decoding cos
 (scale, mean/std, layout) happens in the graph, on the device.
 """
 import io
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -81,14 +80,6 @@ def decode(data: bytes, min_short_side: int | None, max_pixels: int) -> Photo:
         size = (height, width) if image.getexif().get(0x0112) in _SWAPS_AXES else (width, height)
         ImageOps.exif_transpose(image, in_place=True)  # decodes; not in place, an upright photo is copied
         return Photo(_to_rgb(image), size, data if image.size != size else None)
-
-
-def decode_within(data: bytes, max_side: int, max_pixels: int) -> Photo:
-    """Bytes -> upright RGB photo, decoded as reduced as it can be (a JPEG's draft mode) while its longest side
-    stays at least `max_side` (or the whole photo, where that is smaller)."""
-    width, height = decode_size(data, max_pixels)
-    scale = min(1.0, max_side / max(width, height))
-    return decode(data, math.ceil(min(width, height) * scale), max_pixels)
 
 
 def resize_and_crop(image: Image.Image, policy: InputPolicy) -> Image.Image:

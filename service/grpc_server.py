@@ -50,6 +50,15 @@ RPCS = {  # each method's request and response messages
 OPEN = {"ServerLive", "ServerReady", "ServerMetadata"}  # as /v2 and the health routes: no key asked
 
 
+def failure(e: Exception, name: str) -> tuple[grpc.StatusCode, str]:
+    """A failed call's status code and message: the service's own errors as Triton's codes, anything else a fault
+    of the server's, INTERNAL (as REST's 500) and logged."""
+    if isinstance(e, ServiceError):
+        return STATUS.get(type(e), grpc.StatusCode.INTERNAL), e.message
+    log.exception("gRPC %s failed", name)
+    return grpc.StatusCode.INTERNAL, f"the server failed: {type(e).__name__}: {e}"
+
+
 def rpc(method):
     """An RPC's errors as status codes, its key checked (where one is set), and it counted and timed as the
     HTTP routes are (route: its gRPC method path; method: GRPC; status: the code's name)."""
@@ -62,14 +71,10 @@ def rpc(method):
             if name not in OPEN:
                 self.authorize(context)
             return await method(self, request, context)
-        except ServiceError as e:
-            code = STATUS.get(type(e), grpc.StatusCode.INTERNAL)
-            retry = () if e.retry_after_s is None else (("retry-after", str(e.retry_after_s)),)
-            await context.abort(code, e.message, trailing_metadata=retry)
-        except Exception as e:  # a fault of the server's, as REST's 500 (an abort and a cancellation pass by)
-            code = grpc.StatusCode.INTERNAL
-            log.exception("gRPC %s failed", name)
-            await context.abort(code, f"the server failed: {type(e).__name__}: {e}")
+        except Exception as e:  # a cancellation passes by (a BaseException)
+            code, message = failure(e, name)
+            retry = getattr(e, "retry_after_s", None)
+            await context.abort(code, message, trailing_metadata=(("retry-after", str(retry)),) if retry else ())
         finally:
             self.count(name, code, time.perf_counter() - start)
 
@@ -144,10 +149,7 @@ class InferenceService:
             try:
                 await answers.put(pb.ModelStreamInferResponse(infer_response=await self.infer(request)))
             except Exception as e:  # the client's mistake or the server's fault: said, and the stream goes on
-                code = STATUS.get(type(e), grpc.StatusCode.INTERNAL)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("gRPC ModelStreamInfer failed")
-                message = e.message if isinstance(e, ServiceError) else f"the server failed: {type(e).__name__}: {e}"
+                code, message = failure(e, "ModelStreamInfer")
                 await answers.put(pb.ModelStreamInferResponse(error_message=message,
                                                               infer_response=pb.ModelInferResponse(id=request.id)))
             finally:

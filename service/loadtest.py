@@ -56,6 +56,8 @@ Sender = tuple[Callable[..., Send], tuple]
 CLIENT_BOUND_CORES = 0.9
 # random once per process, so it cannot occur in an image; fixed from then on, so bodies are encoded once
 BOUNDARY = uuid.uuid4().hex
+DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.uint8): "UINT8"}  # the protocol's names of tensor dtypes
+GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"  # the protocol's method path
 
 
 @dataclass
@@ -122,7 +124,7 @@ def classify_requests(images: list[tuple[str, bytes]], params: dict, files_per_r
 def v2_body(name: str, x: np.ndarray, binary_outputs: bool = True) -> tuple[bytes, dict[str, str]]:
     """A KServe v2 infer body with the batch `x` as input `name` in the binary tensor extension (tritonclient's
     encoding), and its headers; outputs asked for in binary too, unless `binary_outputs` is off."""
-    datatype = {np.dtype(np.float32): "FP32", np.dtype(np.uint8): "UINT8"}[x.dtype]
+    datatype = DATATYPES[x.dtype]
     blob = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<")).tobytes()
     header = json.dumps({"inputs": [{"name": name, "datatype": datatype, "shape": list(x.shape),
                                      "parameters": {"binary_data_size": len(blob)}}],
@@ -147,23 +149,22 @@ def v2_requests(model: str, name: str, x: np.ndarray, binary_outputs: bool = Tru
 def grpc_requests(model: str, name: str, x: np.ndarray) -> Send:
     """ModelInfer with the batch `x` as input `name` in raw_input_contents, serialised once and sent as bytes (the
     answer is left serialised too: the client's CPU goes to the calls); every output comes back."""
+    import grpc
+
     from .protocol import open_inference_pb2 as pb
-    datatype = {np.dtype(np.float32): "FP32", np.dtype(np.uint8): "UINT8"}[x.dtype]
     body = pb.ModelInferRequest(model_name=model, inputs=[pb.ModelInferRequest.InferInputTensor(
-        name=name, datatype=datatype, shape=x.shape)], raw_input_contents=[x.tobytes()]).SerializeToString()
+        name=name, datatype=DATATYPES[x.dtype], shape=x.shape)], raw_input_contents=[x.tobytes()]).SerializeToString()
+    calls = {}  # the method's callable on each channel: made once, not per request
 
     async def send(channel, i: int) -> int | str:
-        import grpc
+        call = calls.get(channel) or calls.setdefault(channel, channel.unary_unary(GRPC_INFER))  # bytes in and out
         try:
-            await channel.unary_unary(GRPC_INFER)(body)  # no serialisers: bytes in, bytes out
+            await call(body)
         except grpc.aio.AioRpcError as e:
             return e.code().name
         return 200
 
     return send
-
-
-GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"  # the protocol's method path
 
 
 @asynccontextmanager

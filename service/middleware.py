@@ -41,6 +41,7 @@ class BodyLimit:
         length = headers.get(b"content-length")
         received, read, started = 0, False, False
         ended = length in (None, b"0") and b"transfer-encoding" not in headers  # no body at all
+        expects_continue = headers.get(b"expect", b"").lower() == b"100-continue"
 
         async def limited_receive():
             nonlocal received, read, ended
@@ -55,7 +56,7 @@ class BodyLimit:
         async def lingering_send(message):
             nonlocal started
             started = started or message["type"] == "http.response.start"
-            waiting = not read and headers.get(b"expect", b"").lower() == b"100-continue"
+            waiting = expects_continue and not read  # told nothing, it sends nothing
             if message["type"] != "http.response.body" or message.get("more_body", False) or ended or waiting:
                 return await send(message)
             await send({**message, "more_body": True})

@@ -6,6 +6,7 @@ decode was reduced (a JPEG's draft mode, for the model's small input), over the 
 the size the PNG needs, only when a PNG is asked for.
 """
 import asyncio
+import math
 from typing import Literal
 
 import numpy as np
@@ -15,7 +16,7 @@ from repository import InputPolicy
 
 from .. import attention as maps
 from ..cache import AttentionRecord
-from ..decode import decode_within
+from ..decode import decode
 from ..errors import NotFound
 from ..pipeline import Pipeline, Pipelines
 from .classify import predictions
@@ -64,10 +65,12 @@ async def render(pipeline: Pipeline, record: AttentionRecord, options: MapOption
 
 
 def draw(record: AttentionRecord, grid: np.ndarray, policy: InputPolicy, options: MapOptions, max_pixels: int) -> bytes:
-    """The PNG over the photo kept, or over the upload decoded at the size the PNG needs (a 1-D record.photo)."""
+    """The PNG over the photo kept, or over the upload (a 1-D record.photo) decoded as reduced as it can be (a JPEG's
+    draft mode) while its longest side stays at least max_side."""
     photo = record.photo
     if photo.ndim == 1:
-        photo = np.asarray(decode_within(photo.tobytes(), options.max_side, max_pixels).image)
+        scale = min(1.0, options.max_side / max(record.size))
+        photo = np.asarray(decode(photo.tobytes(), math.ceil(min(record.size) * scale), max_pixels).image)
     h, w = photo.shape[:2]
     return maps.render_png(photo, grid, policy.crop_box(w, h), options.overlay, options.alpha, options.colormap,
                            options.max_side)
