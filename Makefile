@@ -55,6 +55,7 @@ models: install
 		--name shapes-swin --eval-data $(SHAPES)/val --out $(REPO)
 	$(EXPORT) vit_micro_patch16_fer_112 --weights $(DEMO)/vit_micro_patch16_fer_112/model.safetensors \
 		--name expression-vit --eval-data $(FACES)/val --out $(REPO)
+	$(EXPORT) mtcnn --out $(REPO)
 
 demo-data: install
 	$(BIN)/python -m models.synthetic shapes --out $(SHAPES) --train 20000 --val 1200 --seed 0

@@ -4,8 +4,8 @@
     python docs/make_figure.py        # --url http://127.0.0.1:8000
 
 A real photograph (scikit-image's astronaut) goes to POST /expression?attention=true; the figure shows the
-face box the service found and the face's maps from GET /attention-map, last layer and rollout, exactly as
-the service returns them.
+face box and landmarks the service found and the face's maps from GET /attention-map, last layer and rollout,
+over the aligned face the model saw, exactly as the service returns them.
 """
 import argparse
 import io
@@ -44,6 +44,7 @@ def main() -> None:
     x, y, w, h = face["box"]
     axes[0].imshow(photo)
     axes[0].add_patch(plt.Rectangle((x, y), w, h, fill=False, color="lime", linewidth=2))
+    axes[0].scatter(*zip(*face["landmarks"].values()), s=14, color="yellow", edgecolors="black", linewidths=0.5)
     axes[0].set_title(f"POST /expression: {face['expression']} ({face['score']:.2f})", fontsize=10)
     for ax, (method, image) in zip(axes[1:], maps.items()):
         ax.imshow(image)

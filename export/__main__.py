@@ -3,8 +3,12 @@
     python -m export deit_small_patch16_224 --weights deit_small.pth --labels imagenet.txt --out model_repository
     python -m export vit_micro_patch8_96 --weights models/demo/vit_micro_patch8_96/model.safetensors --precision int8
 
+    python -m export mtcnn --out model_repository
+
 Writes OUT/NAME/model.onnx, OUT/NAME/explain.onnx (ViT/DeiT: every block's attention, for rollout) and
-OUT/NAME/manifest.json. Progress goes to stderr; a failed check exits non-zero and leaves nothing behind.
+OUT/NAME/manifest.json; `mtcnn` writes the face detector that /expression uses (OUT/mtcnn/{pnet,rnet,onet}.onnx,
+from models/pretrained/mtcnn.safetensors). Progress goes to stderr; a failed check exits non-zero and leaves
+nothing behind.
 """
 import argparse
 import sys
@@ -15,6 +19,7 @@ from jsonschema import ValidationError
 from models import WeightsError
 from models.data import DataError
 
+from .face_detector import export_face_detector
 from .parity import ParityError
 from .pipeline import ExportError, export_model
 from .precision import PRECISIONS
@@ -23,7 +28,8 @@ from .precision import PRECISIONS
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="a registry name (python -c 'import models; print(models.list_models())')")
+    p.add_argument("model", help="a registry name (python -c 'import models; print(models.list_models())'), or "
+                                 "mtcnn: the face detector")
     p.add_argument("--weights", type=Path, help="checkpoint: .pth/.pt (timm or official layout) or .safetensors")
     p.add_argument("--random-init", action="store_true", help="export untrained weights (benchmarks, tests)")
     p.add_argument("--replace-head", action="store_true",
@@ -45,7 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        export_model(args)
+        if args.model == "mtcnn":
+            export_face_detector(args.out, args.name or "mtcnn")
+        else:
+            export_model(args)
     except KeyError as e:
         sys.exit(f"error: {e.args[0]}")
     except (ExportError, ParityError, WeightsError, DataError, ValidationError) as e:

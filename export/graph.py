@@ -194,6 +194,11 @@ class ExplainGraph(nn.Module):
         return tuple(self.model.attention_probabilities(self.input(images, pixel_values)))
 
 
+def quiet_exporter() -> None:
+    """The exporter warns about every torchvision op it cannot register; torchvision is not used here."""
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+
+
 def export_program(module: MainGraph | ExplainGraph, img_size: int, batch: int | None = None) -> ir.Model:
     """`module` as an ONNX graph in memory, its intermediate shapes in PyTorch's symbols (one name per batch
     expression throughout, which the fusions in `export.fusion` match on).
@@ -201,8 +206,7 @@ def export_program(module: MainGraph | ExplainGraph, img_size: int, batch: int |
     `batch`: every shape fixed instead, for that many images and no float pixels, so that no shape arithmetic
     is left in the graph (CUDA graph capture needs every node on the GPU; bench/gpu.py measures it).
     """
-    # The exporter warns about every torchvision op it cannot register; torchvision is not used here.
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    quiet_exporter()
     if batch is None:
         # batch 2 each, so that neither axis is specialised to 0 or 1; the graph runs with either at 0
         example = (torch.zeros(2, img_size, img_size, 3, dtype=torch.uint8), torch.randn(2, 3, img_size, img_size))
@@ -224,6 +228,11 @@ def save_graph(graph: ir.Model, path: Path) -> onnx.ModelProto:
     proto = ir.to_proto(graph)
     # The exporter can leave stale intermediate shapes that make ONNX shape inference fail later.
     del proto.graph.value_info[:]
+    # The exporter's metadata holds this machine's source paths and line numbers, and sets in no fixed order:
+    # without it the same export writes the same bytes wherever it runs
+    del proto.graph.metadata_props[:]
+    for node in [*proto.graph.node, *(n for f in proto.functions for n in f.node)]:
+        del node.metadata_props[:]
     onnx.save_model(proto, path)
     return proto
 

@@ -11,6 +11,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +87,7 @@ def build_model(args, labels: list[str], meta: dict) -> nn.Module:
     return model.eval()
 
 
-def _session(path: Path, providers: list[str]) -> ort.InferenceSession:
+def session_for(path: Path, providers: list[str]) -> ort.InferenceSession:
     """A session on the first of `providers` that really starts here, else on the CPU.
 
     onnxruntime-gpu lists CUDA as available even without CUDA 13 / cuDNN 9 and then logs an error when
@@ -139,8 +141,28 @@ def _outputs(proto) -> list[dict]:
     return out
 
 
-def _publish(work: Path, target: Path) -> None:
-    """Move the finished folder into place, replacing an older export of the same name."""
+@contextmanager
+def building(out: Path, name: str) -> Iterator[Path]:
+    """A hidden folder in `out` to build NAME's entry in, removed if the build fails; `publish` moves it into
+    place."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out))
+        work.chmod(0o755)  # mkdtemp makes it private; the served folder must be readable
+    except OSError as e:
+        raise ExportError(f"cannot write to {out}: {e.strerror or e}") from None
+    try:
+        yield work
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def publish(work: Path, target: Path, manifest: dict, log: Progress) -> Path:
+    """Validate and write the manifest, then move the finished folder into place, replacing an older export of
+    the same name."""
+    mf.validate(manifest)
+    (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     old = None
     if target.exists():
         old = target.with_name(f".{target.name}.old")
@@ -154,6 +176,8 @@ def _publish(work: Path, target: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old)
+    log(f"wrote {target}")
+    return target
 
 
 def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progress) -> tuple[object, dict, dict]:
@@ -165,7 +189,7 @@ def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progr
     proto = save_graph(graph, fp32_path)
     counts = _check_fusion(proto, model)
     log(f"{fused_attention_count(counts)} fused attention ops, none unfused")
-    fp32 = _session(fp32_path, ["CPUExecutionProvider"])
+    fp32 = session_for(fp32_path, ["CPUExecutionProvider"])
     parity = check_fp32(fp32, main, inputs)
     log(f"parity vs PyTorch: logits max |diff| {parity['logits_max_abs_diff']:.2e}, "
         f"top-1 agreement {parity['top1_agreement']:.3f}")
@@ -176,13 +200,13 @@ def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progr
         source = work / "fused.onnx"
         fusions = fuse_for_ort(graph)
         save_graph(graph, source)
-        reports["fused_fp32"] = check_fp32(_session(source, ["CPUExecutionProvider"]), main, inputs)
+        reports["fused_fp32"] = check_fp32(session_for(source, ["CPUExecutionProvider"]), main, inputs)
         log(f"fused for ONNX Runtime's CUDA kernels ({', '.join(f'{n} {k}' for k, n in fusions.items())}): "
             f"logits max |diff| {reports['fused_fp32']['logits_max_abs_diff']:.2e}")
     log(f"converting to {precision}")
     proto = CONVERTERS[precision](source, work / "model.onnx")
     counts = _check_fusion(proto, model, fusions.get("masked attention as MatMuls", 0))
-    reduced = check_reduced(_session(work / "model.onnx", PROVIDERS[precision]), fp32, inputs)
+    reduced = check_reduced(session_for(work / "model.onnx", PROVIDERS[precision]), fp32, inputs)
     log(f"{precision} vs fp32 on {reduced['provider']}: top-1 agreement {reduced['top1_agreement']:.4f}, logit error "
         f"{reduced['logits_relative_error']:.2%} of the spread "
         f"on {reduced['agreement_on']}")
@@ -196,7 +220,7 @@ def _explain_graph(model: nn.Module, work: Path, inputs, log: Progress) -> tuple
     log("exporting the explain graph (every block's attention probabilities)")
     explain = ExplainGraph(model)
     export_graph(ExplainGraph(export_form(model)), model.spec.img_size, work / "explain.onnx")
-    got = run_session(_session(work / "explain.onnx", ["CPUExecutionProvider"]), inputs.probe[:4])
+    got = run_session(session_for(work / "explain.onnx", ["CPUExecutionProvider"]), inputs.probe[:4])
     worst = max(float(np.abs(g - w).max()) for g, w in zip(got, run_torch(explain, inputs.probe[:4])))
     if worst > FP32_ABS_TOLERANCE:
         raise ParityError(f"explain graph differs from PyTorch by {worst:.3g}")
@@ -242,13 +266,7 @@ def export_model(args) -> Path:
     meta = weights_metadata(args.weights)
     labels = resolve_labels(args, meta)
     name = args.name or (args.model if args.precision == "fp32" else f"{args.model}-{args.precision}")
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=args.out))
-        work.chmod(0o755)  # mkdtemp makes it private; the served folder must be readable
-    except OSError as e:
-        raise ExportError(f"cannot write to {args.out}: {e.strerror or e}") from None
-    try:
+    with building(args.out, name) as work:
         log(f"building {args.model} ({len(labels)} classes) from {args.weights or 'random init'}")
         model = build_model(args, labels, meta)
         inputs = gate_inputs(model.spec, args.eval_data)
@@ -261,12 +279,4 @@ def export_model(args) -> Path:
             with_empty_defaults(path)  # either input alone runs it
         files = {kind: mf.file_entry(path) for kind, path in graphs.items()}
         manifest = _manifest(args, name, labels, meta, model, proto, counts, parity, files, explain_outputs)
-        mf.validate(manifest)
-        (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        target = args.out / name
-        _publish(work, target)
-        log(f"wrote {target}")
-        return target
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+        return publish(work, args.out / name, manifest, log)

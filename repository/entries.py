@@ -1,6 +1,8 @@
-"""Model folders: manifest.json validated against manifest.schema.json, every graph against its sha256.
+"""Model folders: manifest.json validated against its schema, every graph against its sha256.
 
-A folder that fails is reported with the reason and not served; the others are.
+A folder holds a model clients call (manifest.schema.json) or the face detector that /expression uses
+(face_detector.schema.json, task face-detection). A folder that fails is reported with the reason and not
+served; the others are.
 """
 import hashlib
 import json
@@ -12,7 +14,8 @@ import jsonschema
 
 from .policy import InputPolicy
 
-SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
+FACE_DETECTION = "face-detection"
+SCHEMAS = {"model": "manifest.schema.json", FACE_DETECTION: "face_detector.schema.json"}
 SCHEMA_VERSION = 2
 
 
@@ -58,8 +61,8 @@ class ModelEntry:
 
 
 @cache
-def _schema() -> dict:
-    return json.loads(SCHEMA_PATH.read_text())
+def _schema(kind: str) -> dict:
+    return json.loads(Path(__file__).with_name(SCHEMAS[kind]).read_text())
 
 
 def sha256(path: Path) -> str:
@@ -82,7 +85,8 @@ def verify_file(entry: ModelEntry, file: str) -> Path:
 
 def validate_manifest(manifest: dict) -> None:
     """Raises jsonschema.ValidationError naming the first offending field."""
-    jsonschema.validate(manifest, _schema())
+    kind = FACE_DETECTION if isinstance(manifest, dict) and manifest.get("task") == FACE_DETECTION else "model"
+    jsonschema.validate(manifest, _schema(kind))
 
 
 def read_entry(folder: Path) -> ModelEntry:
@@ -99,16 +103,22 @@ def read_entry(folder: Path) -> ModelEntry:
         where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
         raise RepositoryError(f"{folder.name}: manifest.json is invalid at {where}: {e.message}") from None
     entry = ModelEntry(folder, manifest)
-    verify_file(entry, "model")
+    for file in ["model"] if entry.task != FACE_DETECTION else manifest["files"]:  # explain.onnx: on first use
+        verify_file(entry, file)
     return entry
 
 
+def _folders(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+
+
 def scan(root: Path) -> tuple[list[ModelEntry], dict[str, str]]:
-    """The servable entries (sorted by name) and, by folder name, why the others are not."""
+    """The servable entries, models and face detectors (sorted by name), and, by folder name, why the others
+    are not."""
     if not root.is_dir():
         raise RepositoryError(f"no model repository at {root}")
     entries, problems = [], {}
-    for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+    for folder in _folders(root):
         if not (folder / "manifest.json").is_file():
             problems[folder.name] = "no manifest.json: not a model folder (python -m export writes one)"
             continue
@@ -124,8 +134,25 @@ def scan(root: Path) -> tuple[list[ModelEntry], dict[str, str]]:
 
 
 def servable(root: Path) -> tuple[list[ModelEntry], dict[str, str]]:
-    """`scan`, failing when no model at all can be served."""
+    """The models clients call (not the face detectors) and why other folders are not served; failing when no
+    model at all can be served."""
     entries, problems = scan(root)
+    entries = [e for e in entries if e.task != FACE_DETECTION]
     if not entries:
         raise RepositoryError(f"no servable model in {root}" + "".join(f"; {k}: {v}" for k, v in problems.items()))
     return entries, problems
+
+
+def face_detector(root: Path) -> tuple[ModelEntry | None, str | None]:
+    """The repository's face detector (the first by folder name), or None and why there is none."""
+    for folder in _folders(root):
+        try:
+            task = json.loads((folder / "manifest.json").read_text()).get("task")
+        except (OSError, ValueError, AttributeError):
+            continue  # not a detector's folder: scan reports it
+        if task == FACE_DETECTION:
+            try:
+                return read_entry(folder), None
+            except (RepositoryError, OSError) as e:
+                return None, str(e)
+    return None, f"no face detector in {root} (python -m export mtcnn writes one)"

@@ -9,6 +9,7 @@ input are kept only where an attention map needs them, so nothing is decoded twi
 """
 import asyncio
 import logging
+import math
 import os
 import time
 import uuid
@@ -17,16 +18,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from repository import ModelEntry, RepositoryError
+from repository import ModelEntry, RepositoryError, face_detector
 
 from .backends import Backend
 from .cache import AttentionRecord
 from .decode import Photo, decode, decode_size, model_input
 from .errors import BadInput, NotFound, TooLarge, Unavailable, overloaded
-from .faces import DetectorSettings, crop_face, detect_faces
+from .faces import DetectorSettings, FaceDetector, Faces, align
 from .gpu_decode import is_jpeg
 from .metrics import Metrics
 from .records import TIMINGS, output_names, results
+from .runtime import CPU
 from .settings import Settings
 
 log = logging.getLogger("vitserve")
@@ -44,9 +46,10 @@ class Results:
 
 class Pipeline:
     def __init__(self, entry: ModelEntry, backend: Backend, decode_pool: ThreadPoolExecutor, settings: Settings,
-                 metrics: Metrics):
+                 metrics: Metrics, detector: FaceDetector | None = None, detector_problem: str | None = None):
         self.entry, self.backend, self.decode_pool, self.settings, self.metrics = (
             entry, backend, decode_pool, settings, metrics)
+        self.detector, self.detector_problem = detector, detector_problem  # expression models' faces
         self.name, self.policy = entry.name, entry.policy
         self.fields = [*output_names(entry), "probs", "top_index", "top_score", *TIMINGS]
         self.attention_outputs = list(entry.manifest["attention"]["outputs"].values())
@@ -77,26 +80,45 @@ class Pipeline:
 
         return await self._run("jpeg", len(uploads), check, top_k, False, jpegs=uploads)
 
-    async def faces(self, upload: bytes, detect: bool, detector: DetectorSettings, margin: float,
-                    keep: bool = False) -> tuple[tuple[int, int], list[tuple[int, int, int, int]], float, Results]:
-        """The faces of a photo (or the whole photo as one aligned face), one image record each, in one batch:
-        (the photo's size, the face boxes, ms to decode and detect, results)."""
+    async def faces(self, upload: bytes, detect: bool, settings: DetectorSettings, keep: bool = False
+                    ) -> tuple[tuple[int, int], Faces | None, float, Results]:
+        """The faces of a photo, each aligned into one image record, or the whole photo as one aligned face, in
+        one batch: (the photo's size, the faces found (None without `detect`), ms to decode, detect and align,
+        results)."""
         start = time.perf_counter()
+        detector = self._detector() if detect else None
+        side = self.policy.resize_short_side  # aligned squares, then the model's own resize and crop
+
+        def decode_and_detect() -> tuple[tuple[int, int], Faces | None, list[Photo]]:
+            if detector is None:
+                photo = decode(upload, None, self.settings.max_image_pixels)
+                return photo.size, None, [photo]
+            # a JPEG decodes reduced (draft mode) as far as detection's copy allows: faces are found on that
+            # copy, and aligned from the pixels decoded
+            width, height = decode_size(upload, self.settings.max_image_pixels)
+            photo = decode(upload, math.ceil(settings.max_side * min(width, height) / max(width, height)),
+                           self.settings.max_image_pixels)
+            found = detector.detect(photo.image, settings)
+            faces = [Photo(face, face.size) for face in align(photo.image, found.landmarks, (side, side))]
+            return photo.size, found.scaled(photo.size[0] / photo.image.width), faces
+
         with self.backend.preparing(self.name):
-            photo = await asyncio.get_running_loop().run_in_executor(
-                self.decode_pool, decode, upload, None, self.settings.max_image_pixels)
-            boxes = [(0, 0, *photo.image.size)] if not detect else await asyncio.get_running_loop().run_in_executor(
-                self.decode_pool, detect_faces, photo.image, detector)
+            size, found, photos = await asyncio.get_running_loop().run_in_executor(self.decode_pool,
+                                                                                   decode_and_detect)
         found_ms = self._decoded(start)
 
         def fill(records: np.ndarray) -> tuple[list[float], list[Photo] | None]:
-            regions = [crop_face(photo.image, box, margin) for box in boxes] if detect else [photo.image]
-            photos = [Photo(region, region.size) for region in regions]
             for i, face in enumerate(photos):
                 records["image"][i] = model_input(face.image, self.policy)
-            return [found_ms] * len(boxes), photos if keep else None
+            return [found_ms] * len(photos), photos if keep else None
 
-        return photo.size, boxes, found_ms, await self._run("image", len(boxes), fill, 1, keep)
+        return size, found, found_ms, await self._run("image", len(photos), fill, 1, keep)
+
+    def _detector(self) -> FaceDetector:
+        if self.detector is None:
+            raise Unavailable(f"face detection is unavailable on this server: {self.detector_problem}; send "
+                              "aligned face crops with detect=false", "face_detection_unavailable")
+        return self.detector
 
     async def tensors(self, x: np.ndarray) -> Results:
         """Preprocessed inputs (KServe v2): float [n, 3, H, W] normalised pixels, or uint8 [n, H, W, 3] images."""
@@ -170,18 +192,36 @@ class Pipelines:
         self.decode_pool = ThreadPoolExecutor(threads, thread_name_prefix="decode")
         self.pipelines: dict[str, Pipeline] = {}
         self.default_model: str | None = None
+        self.detector: FaceDetector | None = None
+        self.detector_problem: str | None = None
 
     def open(self) -> None:
-        """Once the backend knows its models: a pipeline each and the default model."""
+        """Once the backend knows its models: a pipeline each, the default model, and the face detector where an
+        expression model needs one."""
         entries = self.backend.entries
-        self.pipelines = {e.name: Pipeline(e, self.backend, self.decode_pool, self.settings, self.metrics)
-                          for e in entries}
+        if any(e.task == "expression" for e in entries):
+            self.detector, self.detector_problem = self._open_detector()
+        self.pipelines = {e.name: Pipeline(e, self.backend, self.decode_pool, self.settings, self.metrics,
+                                           self.detector, self.detector_problem) for e in entries}
         default = self.settings.default_model
         if default is not None and default not in self.pipelines:
             raise RepositoryError(f"VITSERVE_DEFAULT_MODEL={default} is not in the repository "
                                   f"({', '.join(self.pipelines)})")
         self.default_model = default or next((e.name for e in entries if e.task == "classification"),
                                              entries[0].name)
+
+    def _open_detector(self) -> tuple[FaceDetector | None, str | None]:
+        """The repository's face detector, on the CPU (its nets are small; each request's detection runs in its
+        decode thread), or None and why."""
+        entry, problem = face_detector(self.settings.model_repository)
+        if entry is None:
+            log.error("/expression cannot detect faces: %s", problem)
+            return None, problem
+        try:
+            return FaceDetector(entry, [CPU], self.settings.intra_op_threads), None
+        except Exception as e:  # ONNX Runtime's own errors: the models still serve
+            log.error("/expression cannot detect faces: %s failed to load: %s", entry.name, e)
+            return None, f"{entry.name} failed to load: {e}"
 
     def close(self) -> None:
         self.decode_pool.shutdown(wait=False, cancel_futures=True)

@@ -61,15 +61,30 @@ class ModelInfo(BaseModel):
     parity: dict = Field(description="the export's parity figures, from the manifest")
 
 
+class FaceDetectorInfo(BaseModel):
+    name: str | None = Field(description="the repository's face detector (null: none could be loaded)")
+    provider: str | None
+    landmarks: list[str] = Field(description="the landmarks each face of /expression gets, in this order")
+    error: str | None = Field(description="why /expression cannot detect faces (it still serves detect=false)")
+
+
 class ModelsResponse(BaseModel):
     default_model: str | None
     models: list[ModelInfo]
     not_served: dict[str, str] = Field(description="repository folders that failed validation, with why")
+    face_detector: FaceDetectorInfo | None = Field(
+        description="what finds faces for /expression (null where the repository has no expression model)")
 
 
 class Face(BaseModel):
     id: str = Field(description="this face's result id (the attention map's key with attention=true)")
-    box: list[int] = Field(description="[x, y, width, height] in the uploaded image's pixels (after EXIF rotation)")
+    box: list[int] = Field(description="[x, y, width, height] in the uploaded image's pixels (after EXIF rotation); "
+                                       "with detect=false, the whole image")
+    landmarks: dict[str, list[float]] | None = Field(
+        description="the detector's five points, [x, y] in the image's pixels: left_eye, right_eye, nose, "
+                    "mouth_left, mouth_right (left and right as seen in the image); the face was aligned by them "
+                    "(null with detect=false)")
+    detection_score: float | None = Field(description="the detector's face probability (null with detect=false)")
     expression: str = Field(description="the most probable expression")
     score: float
     probabilities: dict[str, float] = Field(description="every expression, in the model's label order")
@@ -78,7 +93,7 @@ class Face(BaseModel):
 
 
 class ExpressionTimings(BaseModel):
-    decode_detect_ms: float = Field(description="decoding, face detection and cropping")
+    decode_detect_ms: float = Field(description="decoding, face detection and alignment")
     queue_ms: float
     inference_ms: float
     total_ms: float
@@ -87,7 +102,10 @@ class ExpressionTimings(BaseModel):
 class ExpressionResponse(BaseModel):
     model_config = {"json_schema_extra": {"examples": [{
         "model": "expression-vit", "image_size": [512, 512],
-        "faces": [{"id": "9c1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f", "box": [176, 65, 96, 96], "expression": "happiness",
+        "faces": [{"id": "9c1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f", "box": [181, 61, 87, 113],
+                   "landmarks": {"left_eye": [204.5, 101.6], "right_eye": [247.1, 103.2], "nose": [225.6, 128.5],
+                                 "mouth_left": [202.9, 140.3], "mouth_right": [245.1, 141.6]},
+                   "detection_score": 0.9993, "expression": "happiness",
                    "score": 0.91, "probabilities": {"surprise": 0.02, "fear": 0.01, "disgust": 0.01,
                                                     "happiness": 0.91, "sadness": 0.01, "anger": 0.01,
                                                     "neutral": 0.03},

@@ -62,10 +62,8 @@ class Settings(BaseSettings):
     attention_cache_bytes: int = Field(256 * 2**20, ge=1, description="memory those results may take")
     attention_ttl_s: float = Field(600.0, gt=0, description="how long an attention result stays retrievable")
     face_max: int = Field(20, ge=1, le=100, description="faces classified per image, largest first")
-    face_min_size: int = Field(32, ge=8, description="smallest face side, in pixels, the detector reports")
-    face_scale_factor: float = Field(1.1, gt=1.0, le=2.0, description="detector: scale step between passes")
-    face_min_neighbors: int = Field(5, ge=0, description="detector: overlapping hits a face needs (higher: fewer "
-                                                         "false faces)")
-    face_margin: float = Field(0.2, ge=0.0, le=1.0, description="context added around a face box on each side, as "
-                                                                "a fraction of its size, before the crop")
-    face_detect_side: int = Field(1024, ge=64, description="detection runs on a copy at most this large")
+    face_min_size: int = Field(32, ge=12, description="smallest face side, in pixels, the detector looks for (in "
+                                                       "a photo larger than FACE_DETECT_SIDE, at least 12 pixels "
+                                                       "of the copy detection runs on)")
+    face_detect_side: int = Field(1024, ge=64, description="detection runs on a copy at most this large (its cost "
+                                                           "grows with its pixels)")

@@ -1,9 +1,7 @@
 """The HTTP layer in this process: create_app takes a backend, so routes, errors and limits are tested without a
 server process, over the real LocalBackend or over a backend that misbehaves on purpose."""
 import asyncio
-import subprocess
-import sys
-import types
+import shutil
 from contextlib import contextmanager
 
 import httpx
@@ -11,8 +9,7 @@ import numpy as np
 import pytest
 from service_process import ROOT, direct_probabilities, photo_bytes
 
-from repository import scan
-from service import faces
+from repository import servable
 from service.app import create_app
 from service.backends import ModelStatus
 from service.backends.local import LocalBackend
@@ -45,6 +42,9 @@ def test_the_app_over_a_local_backend_in_this_process():
     got = {p["index"]: p["score"] for p in classified.json()["results"][0]["predictions"]}
     np.testing.assert_allclose([got[i] for i in range(6)], direct_probabilities(REPO / "shapes-vit", JPEG), atol=1e-5)
     assert {m["name"]: m["decode"] for m in models.json()["models"]}["shapes-vit"] == "cpu"
+    assert models.json()["face_detector"] == {"name": "mtcnn", "provider": "CPUExecutionProvider", "error": None,
+                                              "landmarks": ["left_eye", "right_eye", "nose", "mouth_left",
+                                                            "mouth_right"]}
     # each kept result owns its arrays (no views of the request's or the batch's rows): the cache's byte count
     # is what it holds
     records = [backend.cache.get(result["id"]) for result in kept.json()["results"]]
@@ -57,7 +57,7 @@ class Misbehaving:
     """A backend over the real repository whose models are loading, refuse work, or never answer."""
 
     def __init__(self, behaviour: str):
-        self.entries, self.problems = scan(REPO)
+        self.entries, self.problems = servable(REPO)
         self.behaviour = behaviour
 
     async def start(self) -> None:
@@ -104,19 +104,25 @@ def test_a_backend_that_cannot_answer_gives_503_with_retry_after(behaviour, code
     assert classified.json()["error"]["code"] == code
 
 
-def test_without_opencvs_face_cascade_the_service_serves_and_face_detection_answers_503(monkeypatch):
-    loaded = subprocess.run([sys.executable, "-c", "import sys; sys.modules['cv2'] = None; import service.app"],
-                            cwd=ROOT, capture_output=True, text=True)
-    assert loaded.returncode == 0, loaded.stderr  # no OpenCV at all: the service still imports
-    monkeypatch.setattr(faces, "cv2", types.SimpleNamespace(CascadeClassifier=object))  # the GPU image's shim
-    settings = Settings(model_repository=REPO, warmup_runs=0)
+@pytest.mark.parametrize("detector", ["missing", "corrupt"])
+def test_without_a_face_detector_the_service_serves_and_face_detection_answers_503(tmp_path, detector):
+    (tmp_path / "expression-vit").symlink_to(REPO / "expression-vit")
+    if detector == "corrupt":
+        shutil.copytree(REPO / "mtcnn", tmp_path / "mtcnn")
+        with open(tmp_path / "mtcnn" / "onet.onnx", "r+b") as f:
+            f.write(b"garbage")
+    settings = Settings(model_repository=tmp_path, warmup_runs=0)
     app = create_app(settings, LocalBackend(settings, Metrics()), metrics=Metrics())
     photo = {"files": {"file": ("a.png", photo_bytes("astronaut", "PNG"))}}
-    detected, aligned = asyncio.run(call(app, [("POST", "/expression", photo),
-                                               ("POST", "/expression", {**photo, "params": {"detect": "false"}})]))
+    detected, aligned, models = asyncio.run(call(app, [
+        ("POST", "/expression", photo), ("POST", "/expression", {**photo, "params": {"detect": "false"}}),
+        ("GET", "/models", {})]))
     assert detected.status_code == 503 and detected.json()["error"]["code"] == "face_detection_unavailable"
-    assert "detect=false" in detected.json()["error"]["message"]
-    assert aligned.status_code == 200 and len(aligned.json()["faces"]) == 1
+    why = "python -m export mtcnn" if detector == "missing" else "onet.onnx does not match the sha256"
+    assert why in detected.json()["error"]["message"] and "detect=false" in detected.json()["error"]["message"]
+    assert models.json()["face_detector"]["name"] is None and why in models.json()["face_detector"]["error"]
+    (face,) = aligned.json()["faces"]
+    assert aligned.status_code == 200 and face["box"] == [0, 0, 512, 512] and face["landmarks"] is None
 
 
 def test_every_upload_route_treats_missing_and_repeated_images_alike():

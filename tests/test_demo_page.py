@@ -6,6 +6,7 @@ import shutil
 
 import httpx
 import pytest
+from face_scenes import ASTRONAUT_FACE
 from service_process import ROOT, photo_bytes, running_service
 
 playwright = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (the `test` extra)")
@@ -14,7 +15,6 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (.ci/run: 
 # the flags a root, offline machine needs: no sandbox, no GPU, no calls home
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
          "--disable-sync", "--no-first-run", "--disable-quic"]
-ASTRONAUT_FACE = (182, 70, 90, 92)  # as in test_expression.py: checked by eye once
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_a_photo_gets_its_top_five_and_the_attention_overlay(url, page, tmp_path
     page.screenshot(path=str(ROOT / "build" / "demo-page.png"), full_page=True)
 
 
-def test_the_astronaut_gets_one_face_box_where_her_face_is(page, tmp_path):
+def test_the_astronaut_gets_one_face_box_where_her_face_is_with_its_landmarks(page, tmp_path):
     page.select_option("#model", "expression-vit")
     upload(page, tmp_path, "astronaut.jpg", photo_bytes("astronaut", "JPEG"))
     page.wait_for_selector(".face")
@@ -66,7 +66,13 @@ def test_the_astronaut_gets_one_face_box_where_her_face_is(page, tmp_path):
     fx, fy, fw, fh = ASTRONAUT_FACE
     overlap = max(0, min(x + w, fx + fw) - max(x, fx)) * max(0, min(y + h, fy + fh) - max(y, fy))
     assert overlap / (w * h + fw * fh - overlap) >= 0.5
-    assert page.locator(".face").bounding_box()["width"] > 20  # drawn over the picture, not just in the DOM
+    drawn = page.locator(".face").bounding_box()
+    assert drawn["width"] > 20  # drawn over the picture, not just in the DOM
+    assert page.locator(".landmark").count() == 5
+    for i in range(5):
+        dot = page.locator(".landmark").nth(i).bounding_box()
+        cx, cy = dot["x"] + dot["width"] / 2, dot["y"] + dot["height"] / 2
+        assert drawn["x"] < cx < drawn["x"] + drawn["width"] and drawn["y"] < cy < drawn["y"] + drawn["height"]
 
 
 def test_a_non_image_shows_the_servers_message(page, tmp_path):

@@ -1,4 +1,5 @@
-"""POST /expression end to end: real photographs, a collage of real faces, and the synthetic held-out faces."""
+"""POST /expression end to end: real photographs, a collage of real faces, faces turned in-plane, and the synthetic
+held-out faces."""
 import io
 import json
 
@@ -10,12 +11,12 @@ from PIL import Image
 from service_process import ROOT, metric, photo_bytes, running_service
 from skimage import data as photos
 
+from face_scenes import ASTRONAUT_FACE, found, group_photo
+
 from models.synthetic import sample_rng
 from models.synthetic.faces import render_face
 from repository import graph_inputs
 
-# Eileen Collins's face in skimage's astronaut (512 x 512), checked by eye once: brow to chin, ear to ear.
-ASTRONAUT_FACE = (182, 70, 90, 92)
 LFW_FACES = (0, 1, 2, 3, 5)  # frontal faces of skimage's lfw_subset
 
 
@@ -43,18 +44,42 @@ def encode(image: Image.Image, fmt: str = "JPEG", **kw) -> bytes:
     return buf.getvalue()
 
 
-def test_astronaut_has_one_face_where_it_is(url):
+def test_astronaut_has_one_face_where_it_is_with_its_landmarks(url):
     r = post(url, photo_bytes("astronaut", "JPEG"))
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["model"] == "expression-vit" and body["image_size"] == [512, 512]
     (face,) = body["faces"]
-    assert iou(face["box"], ASTRONAUT_FACE) >= 0.5
+    # MTCNN's box runs brow to chin, taller than the Haar cascade's square: 0.77 IoU (bench/face_detection.py)
+    assert iou(face["box"], ASTRONAUT_FACE) >= 0.7 and face["detection_score"] > 0.99
+    marks = face["landmarks"]
+    x, y, w, h = ASTRONAUT_FACE
+    assert list(marks) == ["left_eye", "right_eye", "nose", "mouth_left", "mouth_right"]
+    assert all(x <= px <= x + w and y <= py <= y + h for px, py in marks.values())
+    assert marks["left_eye"][0] < marks["nose"][0] < marks["right_eye"][0]
+    assert max(marks["left_eye"][1], marks["right_eye"][1]) < marks["nose"][1] < marks["mouth_left"][1]
     labels = json.loads((ROOT / "model_repository" / "expression-vit" / "manifest.json").read_text())["labels"]
     assert list(face["probabilities"]) == labels == ["surprise", "fear", "disgust", "happiness", "sadness", "anger",
                                                      "neutral"]
     assert abs(sum(face["probabilities"].values()) - 1) < 1e-6
     assert face["expression"] == max(face["probabilities"], key=face["probabilities"].get)
+
+
+def test_faces_turned_30_degrees_either_way_are_found_in_a_group_photo(url):
+    scene, faces = group_photo(angles=(-30, 30))
+    got = post(url, encode(scene, quality=95)).json()["faces"]
+    boxes = np.array([[x, y, x + w, y + h] for x, y, w, h in (f["box"] for f in got)], np.float64)
+    assert sum(found(boxes, face) for face in faces) >= 8  # of 10; OpenCV's Haar cascade found 1
+    assert len(got) == len({f["id"] for f in got}) and all(any(found(b[None], f) for f in faces) for b in boxes)
+
+
+def test_a_large_jpeg_decodes_reduced_and_its_faces_come_back_in_its_own_pixels(url):
+    big = Image.fromarray(photos.astronaut()).resize((2048, 2048), Image.BICUBIC)  # decoded at 1024: draft 1/2
+    body = post(url, encode(big, quality=90)).json()
+    (face,) = body["faces"]
+    x, y, w, h = (4 * v for v in ASTRONAUT_FACE)
+    assert body["image_size"] == [2048, 2048] and iou(face["box"], (x, y, w, h)) >= 0.7
+    assert all(x <= px <= x + w and y <= py <= y + h for px, py in face["landmarks"].values())
 
 
 def test_no_face_is_an_empty_list(url):
@@ -111,8 +136,22 @@ def test_synthetic_held_out_faces_through_http_match_the_exported_model(url):
 def test_face_attention_maps_and_wrong_models(url):
     (face,) = post(url, photo_bytes("astronaut", "JPEG"), attention="true").json()["faces"]
     body = httpx.get(f"{url}{face['attention_map_url']}&format=json").json()
-    side = round(max(face["box"][2:]) * 1.4)  # the face region with its 20% margins, at the photo's resolution
-    assert body["image_size"] == [side, side] and body["grid_size"] == [7, 7]
+    assert body["image_size"] == [112, 112] and body["grid_size"] == [7, 7]  # over the aligned face the model saw
     r = post(url, photo_bytes("astronaut", "JPEG"), model="shapes-vit")
     assert r.status_code == 400 and r.json()["error"]["code"] == "not_an_expression_model"
     assert post(url, b"not an image").status_code == 415
+
+
+def test_the_process_backend_finds_the_same_faces_in_its_workers(url):
+    """Each HTTP worker opens the detector: the same boxes, landmarks and probabilities as the thread backend,
+    and a face's attention map kept in the inference process."""
+    group = encode(group_photo(angles=(0,))[0], quality=95)
+    with running_service(backend="process", workers=2) as base:
+        for photo in (photo_bytes("astronaut", "JPEG"), group):
+            here, there = post(url, photo).json()["faces"], post(base, photo, attention="true").json()["faces"]
+            assert [f["box"] for f in there] == [f["box"] for f in here] and len(here) >= 1
+            for a, b in zip(here, there):
+                assert a["landmarks"] == b["landmarks"]
+                np.testing.assert_allclose(list(a["probabilities"].values()), list(b["probabilities"].values()),
+                                           atol=1e-5)
+            assert httpx.get(f"{base}{there[0]['attention_map_url']}").status_code == 200

@@ -1,17 +1,20 @@
-"""MTCNN's three nets (models/mtcnn.py) with the committed weights: facenet-pytorch's own outputs, and a face found
-in a real photograph."""
+"""MTCNN's three nets (models/mtcnn.py) with the committed weights: facenet-pytorch's own outputs, a face found in a
+real photograph, and their export into the face detector the service uses."""
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 from PIL import Image
+from face_scenes import ASTRONAUT_FACE
 from safetensors.torch import load_file
 from service_process import ROOT
 from skimage import data as photos
 
+from export.__main__ import main as export_main
 from models.mtcnn import PRETRAINED, create_mtcnn
+from repository import face_detector, read_entry
 
 REFERENCE = ROOT / "tests" / "reference" / "mtcnn_reference.safetensors"
-ASTRONAUT_FACE = (182, 70, 90, 92)  # as in test_expression.py: checked by eye once
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +52,24 @@ def test_pnet_finds_the_astronauts_face(nets):
     fx, fy, fw, fh = ASTRONAUT_FACE
     overlap = max(0, min(x1, fx + fw) - max(x0, fx)) * max(0, min(y1, fy + fh) - max(y0, fy))
     assert float(face.max()) > 0.99 and overlap / ((x1 - x0) * (y1 - y0) + fw * fh - overlap) >= 0.5
+
+
+def test_the_export_writes_the_embedded_detector_byte_for_byte_and_its_graphs_match_pytorch(nets, tmp_path):
+    """`python -m export mtcnn`: three graphs equal to the committed ones, a manifest the repository validates,
+    P-Net at any height and width and R-Net and O-Net at any batch, as PyTorch computes them."""
+    export_main(["mtcnn", "--out", str(tmp_path)])
+    entry, problem = face_detector(tmp_path)
+    assert problem is None and entry.task == "face-detection"
+    committed = read_entry(ROOT / "model_repository" / "mtcnn").manifest["files"]
+    assert entry.manifest["files"] == committed  # sha256 included: the embedded detector is this export's
+    rng = np.random.default_rng(0)
+    for net, shapes in {"pnet": [(1, 12, 12), (1, 77, 130)], "rnet": [(1, 24, 24), (5, 24, 24)],
+                        "onet": [(1, 48, 48), (3, 48, 48)]}.items():
+        session = ort.InferenceSession(entry.path(net), providers=["CPUExecutionProvider"])
+        for shape in shapes:
+            pixels = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+            got = session.run(None, {"images": pixels})
+            with torch.no_grad():
+                *want, probs = nets[net]((torch.from_numpy(pixels).permute(0, 3, 1, 2).float() - 127.5) / 128)
+            for g, w in zip(got, [*want, probs[:, 1]]):
+                np.testing.assert_allclose(g, w.numpy(), atol=1e-5, err_msg=f"{net} {shape}")

@@ -2,10 +2,12 @@
 import time
 import uuid
 
+import numpy as np
+
 from fastapi import APIRouter, Query, Request, Response
 
-from ..faces import DetectorSettings
-from ..pipeline import Pipelines
+from ..faces import DetectorSettings, Faces
+from ..pipeline import Pipeline, Pipelines
 from ..schemas import ExpressionResponse
 from .responses import json_response
 from .uploads import read_images, upload_body
@@ -16,9 +18,9 @@ router = APIRouter(tags=["inference"])
 @router.post(
     "/expression", response_model=ExpressionResponse,
     summary="Facial expressions of every face in a photo",
-    description="Detects faces (OpenCV Haar cascade), crops each square with a margin, and classifies all faces "
-                "of the image in one batch. `detect=false` takes the whole image as one aligned face crop. "
-                "No face: 200 with an empty list. Example: `curl -F file=@team.jpg localhost:8000/expression`.",
+    description="Detects faces and their five landmarks (MTCNN), aligns each face by its landmarks, and classifies "
+                "all faces of the image in one batch. `detect=false` takes the whole image as one aligned face "
+                "crop. No face: 200 with an empty list. Example: `curl -F file=@team.jpg localhost:8000/expression`.",
     openapi_extra=upload_body({"file": "a photo (JPEG, PNG, ...)"}),
 )
 async def expression(
@@ -33,17 +35,28 @@ async def expression(
     settings = pipelines.settings
     pipeline = pipelines.get(model, task="expression")
     ((_, data),) = await read_images(request, ("file",), 1)
-    detector = DetectorSettings(settings.face_scale_factor, settings.face_min_neighbors, settings.face_min_size,
-                                max_faces or settings.face_max, settings.face_detect_side)
-    size, boxes, found_ms, out = await pipeline.faces(data, detect, detector, settings.face_margin, keep=attention)
+    detector = DetectorSettings(settings.face_min_size, max_faces or settings.face_max, settings.face_detect_side)
+    size, found, found_ms, out = await pipeline.faces(data, detect, detector, keep=attention)
     labels, f, faces = pipeline.entry.labels, out.fields, []
-    for i, (box, probs, batch) in enumerate(zip(boxes, f.get("probs", []), f.get("batch_size", []))):
+    for i, (probs, batch) in enumerate(zip(f.get("probs", []), f.get("batch_size", []))):
         key = await pipeline.keep(out, i) if attention else None
         best = int(probs.argmax())
-        faces.append({"id": key or uuid.uuid4().hex, "box": list(box), "expression": labels[best],
-                      "score": float(probs[best]), "probabilities": dict(zip(labels, probs.tolist())),
-                      "batch_size": int(batch), "attention_map_url": f"/attention-map?id={key}" if key else None})
+        faces.append({"id": key or uuid.uuid4().hex, **(face_geometry(found, i, pipeline) if found else
+                                                         {"box": [0, 0, *size], "landmarks": None,
+                                                          "detection_score": None}),
+                      "expression": labels[best], "score": float(probs[best]),
+                      "probabilities": dict(zip(labels, probs.tolist())), "batch_size": int(batch),
+                      "attention_map_url": f"/attention-map?id={key}" if key else None})
     timings = {"decode_detect_ms": found_ms, "queue_ms": float(f["queue_ms"].max()) if faces else 0.0,
                "inference_ms": float(f["inference_ms"].max()) if faces else 0.0,
                "total_ms": (time.perf_counter() - start) * 1e3}
     return json_response({"model": pipeline.name, "image_size": list(size), "faces": faces, "timings_ms": timings})
+
+
+def face_geometry(found: Faces, i: int, pipeline: Pipeline) -> dict:
+    """Face i's box [x, y, w, h] (whole pixels), landmarks by name ([x, y], to a tenth of a pixel) and score."""
+    x0, y0, x1, y1 = np.rint(found.boxes[i]).astype(int).tolist()
+    names = pipeline.detector.landmark_names
+    return {"box": [x0, y0, x1 - x0, y1 - y0],
+            "landmarks": {name: np.round(point, 1).tolist() for name, point in zip(names, found.landmarks[i])},
+            "detection_score": round(float(found.scores[i]), 4)}

@@ -1,9 +1,10 @@
-"""GET /models: what is served, how (the precision and provider that actually run), and whether it is ready."""
+"""GET /models: what is served, how (the precision and provider that actually run), whether it is ready, and
+what finds faces for /expression."""
 from fastapi import APIRouter, Request
 
 from ..backends import ModelStatus
 from ..pipeline import Pipeline, Pipelines
-from ..schemas import ModelInfo, ModelsResponse
+from ..schemas import FaceDetectorInfo, ModelInfo, ModelsResponse
 
 router = APIRouter(tags=["models"])
 
@@ -24,4 +25,12 @@ async def list_models(request: Request) -> ModelsResponse:
     status = pipelines.backend.status()
     return ModelsResponse(default_model=pipelines.default_model,
                           models=[model_info(p, status[name]) for name, p in pipelines.pipelines.items()],
-                          not_served=pipelines.backend.problems)
+                          not_served=pipelines.backend.problems, face_detector=face_detector_info(pipelines))
+
+
+def face_detector_info(pipelines: Pipelines) -> FaceDetectorInfo | None:
+    if pipelines.detector_problem is None and pipelines.detector is None:
+        return None  # no expression model: none was looked for
+    detector = pipelines.detector
+    return FaceDetectorInfo(name=detector and detector.name, provider=detector and detector.provider,
+                            landmarks=detector.landmark_names if detector else [], error=pipelines.detector_problem)
