@@ -143,14 +143,42 @@ def servable(root: Path) -> tuple[list[ModelEntry], dict[str, str]]:
     return entries, problems
 
 
+def _peek(folder: Path, key: str) -> object:
+    """One field of a folder's manifest, unvalidated (None where there is no readable one)."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest.get(key) if isinstance(manifest, dict) else None
+
+
+def find_entry(root: Path, name: str) -> ModelEntry:
+    """The folder of `root` whose manifest names the model `name`, read and verified as at start-up."""
+    for folder in _folders(root):
+        if _peek(folder, "name") == name:
+            return read_entry(folder)
+    raise RepositoryError(f"no folder of {root} holds a model named {name}")
+
+
+def model_manifests(root: Path) -> dict[str, dict]:
+    """The manifests of the repository's models (not its face detectors), by model name, unvalidated: what a rescan
+    compares with what it loaded."""
+    found = {}
+    for folder in _folders(root):
+        try:
+            manifest = json.loads((folder / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(manifest, dict) and isinstance(name := manifest.get("name"), str) \
+                and manifest.get("task") != FACE_DETECTION:
+            found.setdefault(name, manifest)
+    return found
+
+
 def face_detector(root: Path) -> tuple[ModelEntry | None, str | None]:
     """The repository's face detector (the first by folder name), or None and why there is none."""
     for folder in _folders(root):
-        try:
-            task = json.loads((folder / "manifest.json").read_text()).get("task")
-        except (OSError, ValueError, AttributeError):
-            continue  # not a detector's folder: scan reports it
-        if task == FACE_DETECTION:
+        if _peek(folder, "task") == FACE_DETECTION:
             try:
                 return read_entry(folder), None
             except (RepositoryError, OSError) as e:

@@ -16,7 +16,7 @@ from .backends.local import LocalBackend
 from .metrics import Metrics, exposition
 from .middleware import ApiKey, BodyLimit, CancelOnDisconnect, RequestMetrics
 from .pipeline import Pipelines
-from .routers import attention, classify, expression, health, kserve, models
+from .routers import attention, classify, expression, health, kserve, models, repository
 from .settings import Settings
 
 log = logging.getLogger("vitserve")
@@ -66,7 +66,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     app.state.settings, app.state.metrics, app.state.pipelines = settings, metrics, pipelines
     http_errors.install(app)
     # the busiest routes first: routes are matched in order
-    for router in (classify.router, kserve.router, expression.router, attention.router, models.router, health.router):
+    for router in (classify.router, kserve.router, expression.router, attention.router, models.router, health.router,
+                   repository.router):
         app.include_router(router)
 
     @app.get("/", include_in_schema=False)

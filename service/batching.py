@@ -184,6 +184,11 @@ class Batcher:
         if self._running:
             await asyncio.wait(set(self._running))  # not gather: cancelling the caller must not cancel batches
 
+    async def drained(self) -> None:
+        """Nothing is queued, gathered, running or on its way (decoding here or in other processes)."""
+        while self._waiting or self._gathering or self._running or self._preparing or self.elsewhere():
+            await asyncio.sleep(0.005)
+
     def _abandon(self, entry: Entry) -> None:
         """Its caller went away (the client disconnected): what is not yet in a batch leaves the queue at once."""
         if entry in self._waiting:

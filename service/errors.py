@@ -29,12 +29,18 @@ class UnsupportedMedia(ServiceError):
     code = "unsupported_media_type"
 
 
+class Forbidden(ServiceError):
+    """Not allowed by this server's settings."""
+    code = "forbidden"
+
+
 class Unavailable(ServiceError):
     """Not now: loading, overloaded, or failed; retry_after_s says when to try again, where it makes sense."""
     code = "unavailable"
 
 
-KINDS = {cls.__name__: cls for cls in (ServiceError, BadInput, NotFound, TooLarge, UnsupportedMedia, Unavailable)}
+KINDS = {cls.__name__: cls for cls in (ServiceError, BadInput, NotFound, TooLarge, UnsupportedMedia, Forbidden,
+                                       Unavailable)}
 
 
 def overloaded(message: str, retry_after_s: int) -> Unavailable:

@@ -10,11 +10,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from .errors import BadInput, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
+from .errors import BadInput, Forbidden, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
 
 log = logging.getLogger("vitserve")
 
-STATUS = {BadInput: 400, NotFound: 404, TooLarge: 413, UnsupportedMedia: 415, Unavailable: 503}
+STATUS = {BadInput: 400, Forbidden: 403, NotFound: 404, TooLarge: 413, UnsupportedMedia: 415, Unavailable: 503}
 
 
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
@@ -28,7 +28,7 @@ def service_error_response(exc: ServiceError, path: str = "") -> JSONResponse:
     return error_response(STATUS.get(type(exc), 500), exc.code, exc.message, headers, path)
 
 
-_HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large",
+_HTTP_CODES = {400: "bad_request", 403: "forbidden", 404: "not_found", 405: "method_not_allowed", 413: "too_large",
                415: "unsupported_media_type", 422: "invalid_request", 503: "unavailable"}
 
 

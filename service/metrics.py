@@ -47,6 +47,10 @@ class Metrics:
                                 multiprocess_mode="livemax")
         self.ready = Gauge("vitserve_model_ready", "1 once the model is loaded and warm", ["model"], registry=r,
                            multiprocess_mode="livemax")
+        self.loads = Counter("vitserve_model_loads", "model (re)loads by outcome (ok, failed), start-up's included",
+                             ["model", "outcome"], registry=r)
+        self.load_seconds = Histogram("vitserve_model_load_seconds", "reading, opening and warming up a model",
+                                      ["model"], buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120), registry=r)
 
     def batch_observer(self, model: str) -> Callable[[int, float], None]:
         """Counts a batch of `model`: (images, inference seconds). The labelled series are looked up once."""

@@ -20,9 +20,10 @@ DATATYPES = {"FP32": np.dtype("<f4"), "UINT8": np.dtype("u1")}
 
 def find_model(pipelines: Pipelines, name: str, version: str | None) -> Pipeline:
     """The named model, ready or not (NotFound for an unknown name, or a version other than 1)."""
-    if name not in pipelines.pipelines or version not in (None, "", "1"):
+    pipeline = pipelines.find(name)
+    if pipeline is None or version not in (None, "", "1"):
         raise NotFound(f"no model {name!r}" + (f" version {version}" if version else ""), "model_not_found")
-    return pipelines.pipelines[name]
+    return pipeline
 
 
 @cache  # read on every infer request; the same for the pipeline's lifetime

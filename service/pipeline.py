@@ -46,9 +46,11 @@ class Results:
 
 class Pipeline:
     def __init__(self, entry: ModelEntry, backend: Backend, decode_pool: ThreadPoolExecutor, settings: Settings,
-                 metrics: Metrics, detector: FaceDetector | None = None, detector_problem: str | None = None):
+                 metrics: Metrics, detector: FaceDetector | None = None, detector_problem: str | None = None,
+                 loads: int = 1):
         self.entry, self.backend, self.decode_pool, self.settings, self.metrics = (
             entry, backend, decode_pool, settings, metrics)
+        self.loads = loads  # the backend's load of the model it was made for
         self.detector, self.detector_problem = detector, detector_problem  # expression models' faces
         self.name, self.policy = entry.name, entry.policy
         self.fields = [*output_names(entry), "probs", "top_index", "top_score", *TIMINGS]
@@ -201,8 +203,7 @@ class Pipelines:
         entries = self.backend.entries
         if any(e.task == "expression" for e in entries):
             self.detector, self.detector_problem = self._open_detector()
-        self.pipelines = {e.name: Pipeline(e, self.backend, self.decode_pool, self.settings, self.metrics,
-                                           self.detector, self.detector_problem) for e in entries}
+        self.served()
         default = self.settings.default_model
         if default is not None and default not in self.pipelines:
             raise RepositoryError(f"VITSERVE_DEFAULT_MODEL={default} is not in the repository "
@@ -229,7 +230,26 @@ class Pipelines:
     @property
     def ready(self) -> bool:
         status = self.backend.status().values()
-        return all(s.ready or s.error for s in status) and any(s.ready for s in status)
+        return all(s.settled for s in status) and any(s.ready for s in status)
+
+    def served(self) -> dict[str, Pipeline]:
+        """A pipeline per model the backend serves or loads (not those unloaded), made anew after a reload."""
+        status = self.backend.status()
+        for entry in self.backend.entries:
+            s = status.get(entry.name)
+            if s is None or s.unloaded:
+                self.pipelines.pop(entry.name, None)
+            elif entry.name not in self.pipelines or self.pipelines[entry.name].loads != s.loads:
+                self.pipelines[entry.name] = Pipeline(entry, self.backend, self.decode_pool, self.settings,
+                                                      self.metrics, self.detector, self.detector_problem, s.loads)
+        return self.pipelines
+
+    def find(self, name: str) -> Pipeline | None:
+        """The named model's pipeline, ready or not; None for a name not served."""
+        pipeline, status = self.pipelines.get(name), self.backend.status().get(name)
+        if status is not None and (pipeline is None or status.unloaded or pipeline.loads != status.loads):
+            pipeline = self.served().get(name)  # loaded, reloaded or unloaded since: rare, so looked for only then
+        return pipeline
 
     def get(self, name: str | None, task: str | None = None) -> Pipeline:
         """The named (or default) model, ready to serve: NotFound for an unknown name, Unavailable while it warms
@@ -239,7 +259,7 @@ class Pipelines:
             if name is None:
                 raise NotFound("the repository has no expression model (task: expression)", "model_not_found")
         name = name or self.default_model
-        pipeline = self.pipelines.get(name)
+        pipeline = self.find(name)
         if pipeline is None:
             raise NotFound(f"no model named {name!r}; models: {', '.join(self.pipelines)}", "model_not_found")
         status = self.backend.status()[name]

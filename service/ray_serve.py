@@ -45,7 +45,9 @@ def replica_env(cpus_per_replica: float) -> dict[str, str]:
 def replica_app() -> FastAPI:
     """The service as one replica builds it: its start-up waits for the models to be warm, so Ray marks the
     replica running, and routes to it, only once it can answer."""
-    return create_app(Settings(grpc_port=0), start_when_loaded=True)  # replicas share a node: no port of their own
+    # replicas share a node: no port of their own; and a load call would reach one replica of many (Ray Serve
+    # changes a deployment by redeploying it)
+    return create_app(Settings(grpc_port=0, model_control="none"), start_when_loaded=True)
 
 
 def application(replicas: int, cpus_per_replica: float, gpus_per_replica: float,

@@ -23,6 +23,11 @@ class Settings(BaseSettings):
     grpc_port: int = Field(8001, ge=0, le=65535, description="the Open Inference Protocol over gRPC on this port "
                                                             "(0: off)")
     model_repository: Path = EMBEDDED_REPOSITORY
+    model_control: Literal["none", "explicit", "poll"] = Field(
+        "none", description="none: the models of start-up, until shutdown; explicit: POST "
+                            "/v2/repository/models/NAME/load and /unload (re)load and unload them while serving; poll: "
+                            "the repository is rescanned every POLL_S seconds and what changed is applied")
+    poll_s: float = Field(10.0, gt=0, description="with MODEL_CONTROL=poll, seconds between rescans")
     default_model: str | None = Field(None, description="model for requests that name none (default: the first "
                                                         "classification model, by name)")
     max_batch_size: int = Field(16, ge=1, le=1024, description="images per inference call")

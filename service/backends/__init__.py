@@ -28,6 +28,14 @@ class ModelStatus:
     precision: str | None = None  # what runs: an fp32 model with an fp16 sibling runs in fp16 on CUDA
     graph: str | None = None  # the model whose model.onnx runs for this name
     decode: str = "cpu"  # "gpu" where JPEGs can be sent undecoded, to be decoded with their batch on the GPU
+    unloaded: bool = False  # taken out of service (POST /v2/repository/models/NAME/unload): requests get 404
+    loads: int = 1  # how many times it was (re)loaded: a worker re-reads its manifest when this changes
+    last_failure: str | None = None  # why the last (re)load failed, while what served before still serves
+
+    @property
+    def settled(self) -> bool:
+        """Not loading: serving, failed, or unloaded."""
+        return self.ready or self.error is not None or self.unloaded
 
 
 class Backend(Protocol):
@@ -58,6 +66,17 @@ class Backend(Protocol):
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         """Every layer's attention probabilities for one uint8 [H, W, 3] input (the explain graph)."""
+
+    async def load(self, model: str) -> None:
+        """(Re)load a model from its repository folder beside what serves it now, then switch to it: requests
+        already queued or running finish on the old session. A failure leaves the old one serving and says why
+        (RepositoryError's message, as BadInput)."""
+
+    async def unload(self, model: str) -> None:
+        """Stop serving a model once the requests it has accepted are answered; later ones get NotFound."""
+
+    async def index(self) -> list[dict]:
+        """Every model of the repository with its state (READY, LOADING, UNAVAILABLE) and the reason."""
 
     async def keep(self, key: str, record: AttentionRecord) -> bool:
         """Store an attention result for GET /attention-map; False if it does not fit."""

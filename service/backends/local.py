@@ -3,26 +3,33 @@
 Start-up reads the repository at once (a broken repository fails start-up); the device is chosen once, then
 sessions open and warm up in the background, so /health/live answers at once and /health/ready turns 200
 when every model is warm. The inference server of the process backend is this backend behind a socket.
+
+A model is (re)loaded while serving by opening and warming its new session beside the old one and then
+switching the graph's runner: each batch takes the runner there when it starts, so batches running finish on
+the old session, which is let go once they have. An unload refuses new requests and answers those accepted.
 """
 import asyncio
+import ctypes
+import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from functools import partial
 
 import numpy as np
 
-from repository import ModelEntry, servable, verify_file
+from repository import ModelEntry, RepositoryError, find_entry, model_manifests, servable, verify_file
 
 from ..batching import Batcher, QueueFull
 from ..cache import AttentionCache, AttentionRecord
 from ..decode import decode, model_input
-from ..errors import BadInput, NotFound, overloaded
+from ..errors import BadInput, NotFound, ServiceError, overloaded
 from ..metrics import Metrics
-from ..records import Part, host_inputs, record_dtype, row_numbers, spans, write_results
-from ..runtime import CUDA, Plan, Runner, choose_device, serving_plan
+from ..records import KINDS, Part, host_inputs, record_dtype, row_numbers, spans, write_results
+from ..runtime import CPU, CUDA, Plan, Runner, choose_device, serving_plan
 from ..settings import Settings
 from . import ModelStatus
 
@@ -51,17 +58,24 @@ class LocalBackend:
         # workers' boards under the process backend
         self.boards: list[np.ndarray] = []
         self._loading: asyncio.Task | None = None
+        self.device = CPU
+        # under the process backend the workers' boards and outboxes are laid out for start-up's models
+        self.new_models = True
+        self._lifecycle = asyncio.Lock()  # one load or unload at a time
+        self._polling: asyncio.Task | None = None
 
     # -- start-up ------------------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        device = await loop.run_in_executor(None, choose_device, self.entries, self.settings.providers)
-        self.plans = serving_plan(self.entries, device, self.settings.providers)
+        self.device = await loop.run_in_executor(None, choose_device, self.entries, self.settings.providers)
+        self.plans = serving_plan(self.entries, self.device, self.settings.providers)
         # One inference thread on a CPU (each batch already uses every core); two on a GPU, so that one
         # batch is copied in and post-processed while the other computes.
-        self.concurrency = 2 if device == CUDA else 1
+        self.concurrency = 2 if self.device == CUDA else 1
         self.inference = ThreadPoolExecutor(self.concurrency, thread_name_prefix="inference")
         self._loading = loop.create_task(self._load_all(), name="load-models")
+        if self.settings.model_control == "poll":
+            self._polling = loop.create_task(self._poll(), name="poll-repository")
 
     async def loaded(self) -> None:
         await asyncio.shield(self._loading)
@@ -76,24 +90,30 @@ class LocalBackend:
         # Every graph opens (and captures its CUDA graphs) before any batch runs: CUDA's global capture mode, the
         # one ONNX Runtime uses, fails a capture while another thread works on the GPU.
         for graph, plan in graphs.items():
+            start = time.perf_counter()
             try:
                 self.runners[graph] = await loop.run_in_executor(self.inference, self._open, self._by_name[graph], plan)
             except Exception as e:  # one broken model must not keep the others from serving
                 for name in names[graph]:
                     self._fail(name, str(e))
+            else:
+                self.metrics.load_seconds.labels(graph).observe(time.perf_counter() - start)
         for graph, runner in self.runners.items():
             if runner.provider == CUDA and self.settings.gpu_decode:
                 from ..gpu_decode import gpu_decoder  # CuPy and nvImageCodec stay unimported on a CPU host
                 if (decoder := await loop.run_in_executor(self.inference, gpu_decoder, self._by_name[graph].policy)):
                     self.use_jpeg_decoder(graph, decoder)
-            self.batchers[graph] = Batcher(
-                graph, self._run_batch(graph), self.inference, self.metrics, self.settings.max_batch_size,
-                self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency)
-            models = [i for i, e in enumerate(self.entries) if self.plans[e.name].graph == graph]
-            self.batchers[graph].elsewhere = partial(self._preparing_elsewhere, models)
-            self.batchers[graph].start()
+            self._start_batcher(graph)
             for name in names[graph]:
                 self._ready(name, runner.provider)
+
+    def _start_batcher(self, graph: str) -> None:
+        self.batchers[graph] = Batcher(
+            graph, self._run_batch(graph), self.inference, self.metrics, self.settings.max_batch_size,
+            self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency)
+        models = [i for i, e in enumerate(self.entries) if self.plans[e.name].graph == graph]
+        self.batchers[graph].elsewhere = partial(self._preparing_elsewhere, models)
+        self.batchers[graph].start()
 
     def _open(self, entry: ModelEntry, plan: Plan) -> Runner:
         runner = Runner(entry.path(), _input_names(entry), list(plan.providers), self.settings.intra_op_threads,
@@ -118,11 +138,12 @@ class LocalBackend:
                 self._status[name].decode = "gpu"
         self.on_status()
 
-    def _ready(self, name: str, provider: str) -> None:
+    def _ready(self, name: str, provider: str, loads: int = 1) -> None:
         plan, entry = self.plans[name], self._by_name[name]
         decode_on = "gpu" if plan.graph in self.jpeg_decoders else "cpu"
-        self._status[name] = ModelStatus(True, None, provider, plan.precision, plan.graph, decode_on)
+        self._status[name] = ModelStatus(True, None, provider, plan.precision, plan.graph, decode_on, loads=loads)
         self.metrics.ready.labels(name).set(1)
+        self.metrics.loads.labels(name, "ok").inc()
         self.metrics.model_info.labels(name, entry.manifest["architecture"], entry.task, plan.precision,
                                        provider).set(1)
         log.info("%s ready on %s (%s, %s%s)", name, provider, entry.manifest["architecture"], plan.precision,
@@ -131,13 +152,15 @@ class LocalBackend:
 
     def _fail(self, name: str, error: str) -> None:
         self._status[name] = ModelStatus(False, error)
+        self.metrics.loads.labels(name, "failed").inc()
         log.error("not serving %s: %s", name, error)
         self.on_status()
 
     def _run_batch(self, graph: str):
-        runner, policy = self.runners[graph], self._by_name[graph].policy
+        policy = self._by_name[graph].policy  # a reload keeps the records' layout, the input size with it
 
         def run(parts: list[Part], queue_ms: list[float]) -> float:
+            runner = self.runners[graph]  # taken per batch: a reload switches it between batches
             batch = spans(parts)
             images, tensors = host_inputs(batch, policy.size, runner.host_batch)
             if jpegs := [p for p in parts if p.kind == "jpeg"]:
@@ -164,9 +187,10 @@ class LocalBackend:
         return decoder.join(decoded, host_images)
 
     async def close(self) -> None:
-        if self._loading is not None:
-            self._loading.cancel()
-            await asyncio.gather(self._loading, return_exceptions=True)
+        for task in (self._loading, self._polling):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for batcher in self.batchers.values():
             await batcher.stop()
         if self.inference is not None:
@@ -232,11 +256,133 @@ class LocalBackend:
 
         return await asyncio.get_running_loop().run_in_executor(self.inference, work)
 
+    # -- the model lifecycle ----------------------------------------------------------------------------
+    async def load(self, model: str) -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.shield(self._loading)  # start-up's loads first
+        async with self._lifecycle:
+            log.info("%s loading from %s", model, self.settings.model_repository)
+            start = time.perf_counter()
+            try:
+                entry = await loop.run_in_executor(None, find_entry, self.settings.model_repository, model)
+                plan = self._reload_plan(entry)
+                # off the inference thread: batches go on while the new session opens and warms up
+                runner = await loop.run_in_executor(None, self._open, entry, plan)
+            except (RepositoryError, BadInput, OSError, RuntimeError) as e:  # ORT's load errors are RuntimeErrors
+                raise self._load_failed(model, getattr(e, "message", str(e))) from None
+            self.metrics.load_seconds.labels(model).observe(time.perf_counter() - start)
+            old = self.runners.get(plan.graph)
+            self._switch(entry, plan, runner)
+            if old is not None:  # batches that took it finish before it is let go
+                await self.batchers[plan.graph].settled()
+                del old
+                release_memory()
+
+    def _reload_plan(self, entry: ModelEntry) -> Plan:
+        """What serves the entry once loaded: its own graph. BadInput where it cannot be switched to while serving."""
+        plan = serving_plan([entry], self.device, self.settings.providers)[entry.name]
+        old = self._by_name.get(entry.name)
+        if plan.error:
+            raise BadInput(plan.error)
+        if old is None and not self.new_models:
+            raise BadInput(f"{entry.name} was not in the repository at start-up: under the process backend a new "
+                           "model needs a restart")
+        if old is not None and any(record_dtype(old, k) != record_dtype(entry, k) for k in KINDS if k != "jpeg"):
+            raise BadInput(f"{entry.name}'s new graph changes its input size or outputs: restart the server to serve "
+                           "it (requests under way hold records of the old layout)")
+        return plan
+
+    def _load_failed(self, model: str, reason: str) -> BadInput:
+        """Recorded for the index (beside what still serves), counted and logged."""
+        if model in self._status:  # what served (if anything) goes on serving
+            self._status[model] = dataclasses.replace(self._status[model], last_failure=reason)
+        else:
+            self.problems[model] = reason
+        self.metrics.loads.labels(model, "failed").inc()
+        log.error("%s failed to load: %s%s", model, reason, "; the old graph still serves"
+                  if self._status.get(model, ModelStatus()).ready else "")
+        self.on_status()
+        return BadInput(f"{model} failed to load: {reason}", "load_failed")
+
+    def _switch(self, entry: ModelEntry, plan: Plan, runner: Runner) -> None:
+        """Batches that start from now on run the entry's new session."""
+        name, graph = entry.name, plan.graph
+        self.runners[graph] = runner
+        self._explainers.pop(graph, None)
+        if name in self._by_name:
+            self.entries[self.entries.index(self._by_name[name])] = entry
+        else:
+            self.entries.append(entry)  # last: the workers' boards keep their order
+        self._by_name[name], self.plans[name] = entry, plan
+        self.problems.pop(entry.folder.name, None)
+        if graph not in self.batchers:
+            self._start_batcher(graph)
+        self._ready(name, runner.provider, self._status[name].loads + 1 if name in self._status else 1)
+
+    async def unload(self, model: str) -> None:
+        await asyncio.shield(self._loading)
+        async with self._lifecycle:
+            status = self._status.get(model)
+            if status is None or status.unloaded:
+                raise NotFound(f"{model} is not being served", "model_not_found")
+            self._status[model] = ModelStatus(unloaded=True, loads=status.loads)
+            self.metrics.ready.labels(model).set(0)
+            log.info("%s unloading: answering the requests it accepted", model)
+            self.on_status()
+            graph = self.plans[model].graph
+            if graph in self.batchers and not any(p.graph == graph and self._status[n].ready
+                                                  for n, p in self.plans.items()):
+                await self.batchers[graph].drained()
+                await self.batchers.pop(graph).stop()
+                self.runners.pop(graph, None)
+                self._explainers.pop(graph, None)
+                release_memory()
+            log.info("%s unloaded", model)
+
+    async def _poll(self) -> None:
+        """VITSERVE_MODEL_CONTROL=poll: every POLL_S seconds, a model whose manifest changed (a new export) is
+        reloaded, a new one loaded, and one whose folder has gone unloaded. Each change is tried once; a failure
+        is in the index and the log."""
+        await asyncio.shield(self._loading)
+        seen = {e.name: e.manifest for e in self.entries}
+        while True:
+            await asyncio.sleep(self.settings.poll_s)
+            found = await asyncio.get_running_loop().run_in_executor(None, model_manifests,
+                                                                     self.settings.model_repository)
+            for name, manifest in found.items():
+                if seen.get(name) != manifest:
+                    seen[name] = manifest
+                    with suppress(ServiceError):
+                        await self.load(name)
+            for name in [name for name in seen if name not in found]:
+                del seen[name]
+                if name in self._status and not self._status[name].unloaded:
+                    await self.unload(name)
+
+    async def index(self) -> list[dict]:
+        rows = []
+        for name, s in sorted(self._status.items()):
+            state = "READY" if s.ready else "UNAVAILABLE" if s.error or s.unloaded else "LOADING"
+            reason = "; ".join(why for why in (s.error, "unloaded" if s.unloaded else None,
+                                               s.last_failure and f"the last load failed: {s.last_failure}") if why)
+            rows.append({"name": name, "version": "1", "state": state, "reason": reason})
+        rows += [{"name": folder, "state": "UNAVAILABLE", "reason": why} for folder, why in self.problems.items()
+                 if folder not in self._status]
+        return rows
+
     async def keep(self, key: str, record: AttentionRecord) -> bool:
         return self.cache.put(key, record)
 
     async def recall(self, key: str) -> AttentionRecord | None:
         return self.cache.get(key)
+
+
+def release_memory() -> None:
+    """A released session's memory back to the system: glibc keeps freed heap for reuse otherwise, and a reload's
+    RSS would not come down (no-op on another libc)."""
+    gc.collect()
+    with suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _input_names(entry: ModelEntry) -> tuple[str, str]:

@@ -14,6 +14,7 @@ nothing writes into them any more. Model status is pushed by the inference proce
 there too, so any worker can answer GET /attention-map.
 """
 import asyncio
+import json
 import logging
 import os
 import time
@@ -119,8 +120,11 @@ class ProcessBackend:
                 await asyncio.sleep(0.05)
 
     def _set_status(self, status: dict) -> None:
-        self._status = {name: ModelStatus(**s) for name, s in status.items()}
-        if all(s.ready or s.error for s in self._status.values()):
+        old, self._status = self._status, {name: ModelStatus(**s) for name, s in status.items()}
+        for i, entry in enumerate(self.entries):  # reloaded: its labels and figures from its new manifest
+            if entry.name in old and self._status[entry.name].loads != old[entry.name].loads:
+                self.entries[i] = ModelEntry(entry.folder, json.loads((entry.folder / "manifest.json").read_text()))
+        if all(s.settled for s in self._status.values()):
             self._loaded.set()
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -293,6 +297,16 @@ class ProcessBackend:
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         _, arrays = await self._ask({"op": "explain", "model": model}, {"image": image})
         return [arrays[str(i)] for i in range(len(arrays))]
+
+    async def load(self, model: str) -> None:
+        await self._ask({"op": "load", "model": model})
+
+    async def unload(self, model: str) -> None:
+        await self._ask({"op": "unload", "model": model})
+
+    async def index(self) -> list[dict]:
+        reply, _ = await self._ask({"op": "index"})
+        return reply["models"]
 
     async def keep(self, key: str, record: AttentionRecord) -> bool:
         message, arrays = wire.record_to_wire(record)

@@ -51,6 +51,7 @@ class InferenceServer:
     def __init__(self, settings: Settings, socket_path: Path):
         self.settings, self.socket_path = settings, socket_path
         self.backend = LocalBackend(settings, Metrics(), on_status=self._push_status)
+        self.backend.new_models = False  # the workers' boards and outboxes are laid out for start-up's models
         self.entries = {e.name: e for e in self.backend.entries}
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -211,6 +212,11 @@ class InferenceServer:
         if op == "explain":
             layers = await backend.explain(message["model"], arrays["image"])
             return {}, {str(i): layer for i, layer in enumerate(layers)}
+        if op in ("load", "unload"):
+            await getattr(backend, op)(message["model"])
+            return {}, {}
+        if op == "index":
+            return {"models": await backend.index()}, {}
         if op == "keep":
             return {"kept": await backend.keep(message["key"], wire.record_from_wire(message, arrays))}, {}
         if op == "recall":

@@ -88,7 +88,11 @@ async def attention_map(request: Request, id: str = Query(..., description="an i
         raise NotFound(f"no attention result with id {id!r}: it expired (results are kept {ttl:g}s, and the least "
                        "recently used go first when the cache is full) or never existed; classify with "
                        "attention=true", "attention_not_found")
-    return await render(pipelines.get(record.model), record, options)
+    pipeline = pipelines.find(record.model)
+    if pipeline is None:
+        raise NotFound(f"the attention result {id!r} expired with its model: {record.model} was unloaded",
+                       "attention_not_found")
+    return await render(pipeline, record, options)
 
 
 @router.post("/attention-map", summary="Classify one image and return its attention map",

@@ -10,7 +10,7 @@ router = APIRouter(tags=["health"])
 def require_ready(request: Request) -> None:
     pipelines: Pipelines = request.app.state.pipelines
     if not pipelines.ready:
-        waiting = [name for name, s in pipelines.backend.status().items() if not (s.ready or s.error)]
+        waiting = [name for name, s in pipelines.backend.status().items() if not s.settled]
         raise Unavailable(f"warming up: {', '.join(waiting) or 'no model could be loaded'}", "not_ready",
                           pipelines.settings.retry_after_s)
 

@@ -170,7 +170,8 @@ async def infer_version(request: Request, name: str, version_: str | None) -> Re
 
 @router.get("", summary="Server metadata")
 async def server_metadata() -> dict:
-    return {"name": "vitserve", "version": version("vitserve"), "extensions": ["binary_tensor_data"]}
+    return {"name": "vitserve", "version": version("vitserve"),
+            "extensions": ["binary_tensor_data", "model_repository"]}
 
 
 @router.get("/health/live", summary="200 while the server runs")

@@ -24,7 +24,7 @@ async def list_models(request: Request) -> ModelsResponse:
     pipelines: Pipelines = request.app.state.pipelines
     status = pipelines.backend.status()
     return ModelsResponse(default_model=pipelines.default_model,
-                          models=[model_info(p, status[name]) for name, p in pipelines.pipelines.items()],
+                          models=[model_info(p, status[name]) for name, p in pipelines.served().items()],
                           not_served=pipelines.backend.problems, face_detector=face_detector_info(pipelines))
 
 

@@ -1,0 +1,67 @@
+"""The Open Inference Protocol's model repository extension, as Triton's explicit model control speaks it: the
+repository's models with their state, and a model (re)loaded or unloaded while the others, and it, keep serving.
+
+Load and unload answer only with VITSERVE_MODEL_CONTROL=explicit (403 otherwise); the index always answers.
+With an API key set, all three need it, as every route does but health and metrics.
+"""
+import json
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from ..errors import BadInput, Forbidden
+from ..pipeline import Pipelines
+
+router = APIRouter(prefix="/v2/repository", tags=["model repository"])
+
+
+class ModelState(BaseModel):
+    name: str
+    version: str | None = None
+    state: str = Field(description="READY, LOADING or UNAVAILABLE")
+    reason: str = Field(description="why it is unavailable, or why its last load failed while the old one serves")
+
+
+async def _json(request: Request) -> dict:
+    """The request's JSON object; an empty body is an empty object (tritonclient sends none for the index)."""
+    body = await request.body()
+    try:
+        parsed = json.loads(body) if body.strip() else {}
+    except ValueError:
+        raise BadInput("the body is not JSON", "bad_json") from None
+    if not isinstance(parsed, dict):
+        raise BadInput("the body must be a JSON object", "bad_json")
+    return parsed
+
+
+def _controlled(request: Request) -> Pipelines:
+    pipelines: Pipelines = request.app.state.pipelines
+    if pipelines.settings.model_control != "explicit":
+        raise Forbidden(f"models are loaded and unloaded by request only with VITSERVE_MODEL_CONTROL=explicit (this "
+                        f"server: {pipelines.settings.model_control})", "model_control_off")
+    return pipelines
+
+
+@router.post("/index", response_model=list[ModelState], summary="The repository's models and their state")
+async def index(request: Request) -> list[dict]:
+    ready_only = (await _json(request)).get("ready") is True
+    rows = await request.app.state.pipelines.backend.index()
+    return [row for row in rows if row["state"] == "READY" or not ready_only]
+
+
+@router.post("/models/{name}/load", summary="Load or reload a model from its folder, without a request lost")
+async def load(request: Request, name: str) -> dict:
+    pipelines = _controlled(request)
+    if set((await _json(request)).get("parameters") or {}) - {"unload_dependents"}:
+        raise BadInput("a model loads from its repository folder: a config or files in the request are not "
+                       "supported (write them with python -m export)", "unsupported_parameters")
+    await pipelines.backend.load(name)
+    return {}
+
+
+@router.post("/models/{name}/unload", summary="Stop serving a model once the requests it accepted are answered")
+async def unload(request: Request, name: str) -> dict:
+    pipelines = _controlled(request)
+    await _json(request)  # unload_dependents: a model here has none
+    await pipelines.backend.unload(name)
+    return {}

@@ -1,0 +1,192 @@
+"""Models (re)loaded and unloaded while serving, through the Open Inference Protocol's repository extension and by
+polling the repository: no request lost under load, a broken upload leaving the old graph serving, on both
+backends, and Triton's client as is.
+
+"Version 2" of shapes-vit is the int8 graph of the same model (its own answers, the same record layout), written
+into shapes-vit's folder with a manifest that names it shapes-vit.
+"""
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from service_process import ROOT, direct_probabilities, metric, photo_bytes, running_service
+from tritonclient.utils import InferenceServerException
+
+REPO = ROOT / "model_repository"
+JPEG = photo_bytes("chelsea", "JPEG")
+V1 = direct_probabilities(REPO / "shapes-vit", JPEG)
+V2 = direct_probabilities(REPO / "shapes-vit-int8", JPEG)
+
+
+@pytest.fixture
+def repository(tmp_path) -> Path:
+    shutil.copytree(REPO / "shapes-vit", tmp_path / "shapes-vit")
+    (tmp_path / "shapes-deit").symlink_to(REPO / "shapes-deit")
+    return tmp_path
+
+
+def write_model(folder: Path, source: Path, name: str, **changes) -> None:
+    """`source`'s graph into `folder` under the model name `name`, the manifest last (as an exporter publishes)."""
+    folder.mkdir(exist_ok=True)
+    manifest = {**json.loads((source / "manifest.json").read_text()), "name": name, **changes}
+    for file in manifest["files"].values():
+        shutil.copyfile(source / file["path"], folder / f".{file['path']}.part")
+        (folder / f".{file['path']}.part").rename(folder / file["path"])
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def probabilities(response: httpx.Response) -> np.ndarray:
+    scores = {p["index"]: p["score"] for p in response.json()["results"][0]["predictions"]}
+    return np.array([scores[i] for i in range(len(V1))])
+
+
+def classify(client: httpx.Client, url: str, model: str = "shapes-vit") -> httpx.Response:
+    return client.post(f"{url}/classify", params={"model": model, "top_k": len(V1)},
+                       files={"file": ("cat.jpg", JPEG)})
+
+
+def which(answer: np.ndarray) -> int:
+    """1 or 2: the version whose direct session gave this answer (0: neither)."""
+    return 1 if np.allclose(answer, V1, atol=1e-5) else 2 if np.allclose(answer, V2, atol=1e-5) else 0
+
+
+def index(url: str) -> dict[str, dict]:
+    return {row["name"]: row for row in httpx.post(f"{url}/v2/repository/index", timeout=30).json()}
+
+
+@contextmanager
+def hammering(url: str, clients: int) -> Iterator[tuple[list, list]]:
+    """`clients` threads classifying with shapes-vit until the block ends: (answers as (sent at, status, version
+    or error text), transport failures: resets and refusals, requests lost)."""
+    answers, failures, stop = [], [], threading.Event()
+
+    def client() -> None:
+        with httpx.Client(timeout=60) as session:
+            while not stop.is_set():
+                sent = time.monotonic()
+                try:
+                    r = classify(session, url)
+                    answers.append((sent, r.status_code, which(probabilities(r)) if r.status_code == 200 else r.text))
+                except httpx.TransportError as e:
+                    failures.append(repr(e))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield answers, failures
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_a_reload_under_32_clients_loses_no_request_and_a_broken_one_leaves_the_old_graph_serving(repository, backend):
+    with running_service(model_repository=repository, model_control="explicit", backend=backend,
+                         **({"workers": 2} if backend == "process" else {})) as url:
+        with hammering(url, 32) as (answers, failures):
+            time.sleep(1.5)
+            write_model(repository / "shapes-vit", REPO / "shapes-vit-int8", "shapes-vit")
+            loaded = httpx.post(f"{url}/v2/repository/models/shapes-vit/load", timeout=120)
+            switched = time.monotonic()
+            time.sleep(1.5)
+        assert loaded.status_code == 200, loaded.text
+        assert not failures and answers and {status for _, status, _ in answers} == {200}
+        assert {version for _, _, version in answers} == {1, 2}  # every answer is one graph's or the other's
+        assert {version for sent, _, version in answers if sent > switched} == {2}
+        assert index(url)["shapes-vit"] == {"name": "shapes-vit", "version": "1", "state": "READY", "reason": ""}
+        if backend == "thread":  # (the inference process's own metrics are not the workers')
+            text = httpx.get(f"{url}/metrics").text
+            assert metric(text, "vitserve_model_loads_total", model="shapes-vit", outcome="ok") == 2
+            assert metric(text, "vitserve_model_load_seconds_count", model="shapes-vit") == 2
+
+        # a corrupt upload: refused with its reason, the graph before it still serving
+        (repository / "shapes-vit" / "model.onnx").write_bytes(b"not a graph")
+        broken = httpx.post(f"{url}/v2/repository/models/shapes-vit/load", timeout=120)
+        assert broken.status_code == 400 and "does not match the sha256" in broken.json()["error"]
+        with httpx.Client(timeout=60) as session:
+            assert which(probabilities(classify(session, url))) == 2
+        row = index(url)["shapes-vit"]
+        assert row["state"] == "READY" and "does not match the sha256" in row["reason"]
+        if backend == "thread":
+            assert metric(httpx.get(f"{url}/metrics").text, "vitserve_model_loads_total", model="shapes-vit",
+                          outcome="failed") == 1
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_unload_answers_what_it_accepted_then_404_and_a_load_brings_it_back(repository, backend):
+    with running_service(model_repository=repository, model_control="explicit", backend=backend,
+                         **({"workers": 2} if backend == "process" else {})) as url, httpx.Client(timeout=60) as c:
+        client = triton.InferenceServerClient(url.removeprefix("http://"))
+        assert {row["name"]: row["state"] for row in client.get_model_repository_index()} == {
+            "shapes-deit": "READY", "shapes-vit": "READY"}
+        kept = c.post(f"{url}/classify", params={"model": "shapes-vit", "attention": "true"},
+                      files={"file": ("cat.jpg", JPEG)}).json()["results"][0]["attention_map_url"]
+        with hammering(url, 16) as (answers, failures):
+            time.sleep(1.0)
+            client.unload_model("shapes-vit")
+            unloaded = time.monotonic()
+            time.sleep(0.5)
+        # what was accepted is answered; after the unload, a clear 404
+        assert not failures and {status for _, status, _ in answers} == {200, 404}
+        assert {version for _, status, version in answers if status == 200} == {1}
+        assert all(status == 404 for sent, status, _ in answers if sent > unloaded)
+        gone = classify(c, url)
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+        assert c.post(f"{url}/v2/models/shapes-vit/infer", json={"inputs": []}).status_code == 404
+        assert classify(c, url, "shapes-deit").status_code == 200  # the others serve on
+        assert index(url)["shapes-vit"]["state"] == "UNAVAILABLE" and index(url)["shapes-vit"]["reason"] == "unloaded"
+        assert "shapes-vit" not in {m["name"] for m in c.get(f"{url}/models").json()["models"]}
+        assert c.get(f"{url}/health/ready").status_code == 200
+        expired = c.get(f"{url}{kept}")
+        assert expired.status_code == 404 and "expired with its model" in expired.json()["error"]["message"]
+        client.load_model("shapes-vit")
+        assert which(probabilities(classify(c, url))) == 1
+        assert c.get(f"{url}{kept}").status_code == 200  # its model is back: the kept result draws again
+        with pytest.raises(InferenceServerException, match="no folder"):
+            client.load_model("no-such-model")
+        # a new graph whose outputs differ cannot take over the records of requests under way
+        write_model(repository / "shapes-vit", REPO / "shapes-deit", "shapes-vit")
+        changed = c.post(f"{url}/v2/repository/models/shapes-vit/load")
+        assert changed.status_code == 400 and "changes its input size or outputs" in changed.json()["error"]
+        assert which(probabilities(classify(c, url))) == 1
+
+
+def test_without_explicit_model_control_load_and_unload_are_refused_and_the_index_answers(repository):
+    with running_service(model_repository=repository) as url:
+        for action in ("load", "unload"):
+            r = httpx.post(f"{url}/v2/repository/models/shapes-vit/{action}")
+            assert r.status_code == 403 and "VITSERVE_MODEL_CONTROL=explicit" in r.json()["error"]
+        assert index(url)["shapes-vit"]["state"] == "READY"
+        assert "model_repository" in httpx.get(f"{url}/v2").json()["extensions"]
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_polling_applies_a_new_export_a_new_model_and_a_removed_one(repository, backend):
+    with running_service(model_repository=repository, model_control="poll", poll_s=0.3, backend=backend,
+                         **({"workers": 2} if backend == "process" else {})) as url, httpx.Client(timeout=60) as c:
+        write_model(repository / "shapes-vit", REPO / "shapes-vit-int8", "shapes-vit")
+        write_model(repository / "shapes-deit-copy", REPO / "shapes-deit", "shapes-deit-copy")
+        (repository / "shapes-deit").unlink()
+        deadline = time.monotonic() + 60
+        while which(probabilities(classify(c, url))) != 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        while classify(c, url, "shapes-deit").status_code != 404 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert which(probabilities(classify(c, url))) == 2
+        assert classify(c, url, "shapes-deit").status_code == 404
+        rows = index(url)
+        if backend == "thread":
+            assert classify(c, url, "shapes-deit-copy").status_code == 200
+            assert rows["shapes-deit-copy"]["state"] == "READY"
+        else:  # the workers are laid out for start-up's models
+            assert "needs a restart" in rows["shapes-deit-copy"]["reason"]
