@@ -43,7 +43,7 @@ class LocalBackend:
         for name, problem in self.problems.items():
             log.error("not serving %s: %s", name, problem)
         self.entries: list[ModelEntry] = entries
-        self._by_name = {e.name: e for e in entries}
+        self.by_name = {e.name: e for e in entries}
         self.plans: dict[str, Plan] = {}
         self._status = {e.name: ModelStatus() for e in entries}
         self.runners: dict[str, Runner] = {}  # by graph
@@ -59,8 +59,7 @@ class LocalBackend:
         self.boards: list[np.ndarray] = []
         self._loading: asyncio.Task | None = None
         self.device = CPU
-        # under the process backend the workers' boards and outboxes are laid out for start-up's models
-        self.new_models = True
+        self.max_models: int | None = None  # under the process backend, the workers' boards have this many slots
         self._lifecycle = asyncio.Lock()  # one load or unload at a time
         self._polling: asyncio.Task | None = None
 
@@ -92,7 +91,7 @@ class LocalBackend:
         for graph, plan in graphs.items():
             start = time.perf_counter()
             try:
-                self.runners[graph] = await loop.run_in_executor(self.inference, self._open, self._by_name[graph], plan)
+                self.runners[graph] = await loop.run_in_executor(self.inference, self._open, self.by_name[graph], plan)
             except Exception as e:  # one broken model must not keep the others from serving
                 for name in names[graph]:
                     self._fail(name, str(e))
@@ -101,7 +100,7 @@ class LocalBackend:
         for graph, runner in self.runners.items():
             if runner.provider == CUDA and self.settings.gpu_decode:
                 from ..gpu_decode import gpu_decoder  # CuPy and nvImageCodec stay unimported on a CPU host
-                if (decoder := await loop.run_in_executor(self.inference, gpu_decoder, self._by_name[graph].policy)):
+                if (decoder := await loop.run_in_executor(self.inference, gpu_decoder, self.by_name[graph].policy)):
                     self.use_jpeg_decoder(graph, decoder)
             self._start_batcher(graph)
             for name in names[graph]:
@@ -139,7 +138,7 @@ class LocalBackend:
         self.on_status()
 
     def _ready(self, name: str, provider: str, loads: int = 1) -> None:
-        plan, entry = self.plans[name], self._by_name[name]
+        plan, entry = self.plans[name], self.by_name[name]
         decode_on = "gpu" if plan.graph in self.jpeg_decoders else "cpu"
         self._status[name] = ModelStatus(True, None, provider, plan.precision, plan.graph, decode_on, loads=loads)
         self.metrics.ready.labels(name).set(1)
@@ -157,7 +156,7 @@ class LocalBackend:
         self.on_status()
 
     def _run_batch(self, graph: str):
-        policy = self._by_name[graph].policy  # a reload keeps the records' layout, the input size with it
+        policy = self.by_name[graph].policy  # a reload keeps the records' layout, the input size with it
 
         def run(parts: list[Part], queue_ms: list[float]) -> float:
             runner = self.runners[graph]  # taken per batch: a reload switches it between batches
@@ -176,7 +175,7 @@ class LocalBackend:
     def _decode_jpegs(self, graph: str, parts: list[Part], host_images: np.ndarray):
         """The "jpeg" parts decoded on the GPU, followed by the host images: the batch's images, on the device. A
         JPEG that neither nvImageCodec nor Pillow can read fails its own request only."""
-        decoder, policy = self.jpeg_decoders[graph], self._by_name[graph].policy
+        decoder, policy = self.jpeg_decoders[graph], self.by_name[graph].policy
         jpegs = [data for part in parts for data in part.jpegs]
         owners = [(part, row) for part in parts for row in row_numbers(part.rows)]
         decoded, errors = decoder.decode(jpegs, lambda data: model_input(
@@ -210,7 +209,7 @@ class LocalBackend:
 
     @contextmanager
     def records(self, model: str, kind: str, n: int) -> Iterator[np.ndarray]:
-        yield np.empty(n, record_dtype(self._by_name[model], kind))
+        yield np.empty(n, record_dtype(self.by_name[model], kind))
 
     def preparing(self, model: str):
         batcher = self.batchers.get(self.plans[model].graph) if model in self.plans else None
@@ -241,7 +240,7 @@ class LocalBackend:
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         graph = self.plans[model].graph
-        entry = self._by_name[graph]
+        entry = self.by_name[graph]
         if not entry.has("explain"):
             raise BadInput(f"{model} has no explain graph; use method=last", "rollout_unavailable")
 
@@ -281,12 +280,12 @@ class LocalBackend:
     def _reload_plan(self, entry: ModelEntry) -> Plan:
         """What serves the entry once loaded: its own graph. BadInput where it cannot be switched to while serving."""
         plan = serving_plan([entry], self.device, self.settings.providers)[entry.name]
-        old = self._by_name.get(entry.name)
+        old = self.by_name.get(entry.name)
         if plan.error:
             raise BadInput(plan.error)
-        if old is None and not self.new_models:
-            raise BadInput(f"{entry.name} was not in the repository at start-up: under the process backend a new "
-                           "model needs a restart")
+        if old is None and self.max_models is not None and len(self.entries) >= self.max_models:
+            raise BadInput(f"{entry.name} would be model number {len(self.entries) + 1}; this server serves at most "
+                           f"{self.max_models}")
         if old is not None and any(record_dtype(old, k) != record_dtype(entry, k) for k in KINDS if k != "jpeg"):
             raise BadInput(f"{entry.name}'s new graph changes its input size or outputs: restart the server to serve "
                            "it (requests under way hold records of the old layout)")
@@ -309,11 +308,11 @@ class LocalBackend:
         name, graph = entry.name, plan.graph
         self.runners[graph] = runner
         self._explainers.pop(graph, None)
-        if name in self._by_name:
-            self.entries[self.entries.index(self._by_name[name])] = entry
+        if name in self.by_name:
+            self.entries[self.entries.index(self.by_name[name])] = entry
         else:
             self.entries.append(entry)  # last: the workers' boards keep their order
-        self._by_name[name], self.plans[name] = entry, plan
+        self.by_name[name], self.plans[name] = entry, plan
         self.problems.pop(entry.folder.name, None)
         if graph not in self.batchers:
             self._start_batcher(graph)

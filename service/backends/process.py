@@ -14,7 +14,6 @@ nothing writes into them any more. Model status is pushed by the inference proce
 there too, so any worker can answer GET /attention-map.
 """
 import asyncio
-import json
 import logging
 import os
 import time
@@ -33,7 +32,7 @@ from ..errors import Unavailable, from_wire, overloaded
 from ..records import kind_of, record_dtype
 from ..settings import Settings
 from . import ModelStatus, wire
-from .arena import Arena, map_records
+from .arena import BOARD_SLOTS, Arena, map_records
 
 log = logging.getLogger("vitserve")
 
@@ -98,13 +97,11 @@ class ProcessBackend:
     async def start(self) -> None:
         reader = await self._connect()
         message, _ = await wire.receive(reader)  # hello
-        self.entries = [ModelEntry(Path(e["folder"]), e["manifest"]) for e in message["entries"]]
         self.problems = message["problems"]
-        self._outboxes = {e.name: _Outbox(e.name, i) for i, e in enumerate(self.entries)}
         board = self.socket_path.parent / f"board-{self._tag}"
-        self._board = map_records(board, np.dtype(np.int32), max(1, len(self.entries)), create=True)
+        self._board = map_records(board, np.dtype(np.int32), BOARD_SLOTS, create=True)
         self._writer.write(wire.pack({"op": "board", "board": board.name}))
-        self._set_status(message["status"])
+        self._set_status(message)
         self._reader_task = asyncio.get_running_loop().create_task(self._read(reader), name="inference-replies")
 
     async def _connect(self) -> asyncio.StreamReader:
@@ -119,11 +116,13 @@ class ProcessBackend:
                     raise
                 await asyncio.sleep(0.05)
 
-    def _set_status(self, status: dict) -> None:
-        old, self._status = self._status, {name: ModelStatus(**s) for name, s in status.items()}
-        for i, entry in enumerate(self.entries):  # reloaded: its labels and figures from its new manifest
-            if entry.name in old and self._status[entry.name].loads != old[entry.name].loads:
-                self.entries[i] = ModelEntry(entry.folder, json.loads((entry.folder / "manifest.json").read_text()))
+    def _set_status(self, message: dict) -> None:
+        """The inference process's models (a reloaded one with its new manifest, one loaded since start-up last:
+        its outbox counts in the next board slot) and their status."""
+        self.entries = [ModelEntry(Path(e["folder"]), e["manifest"]) for e in message["entries"]]
+        for i, entry in enumerate(self.entries):
+            self._outboxes.setdefault(entry.name, _Outbox(entry.name, i))
+        self._status = {name: ModelStatus(**s) for name, s in message["status"].items()}
         if all(s.settled for s in self._status.values()):
             self._loaded.set()
 
@@ -137,7 +136,7 @@ class ProcessBackend:
                 elif op == "done":
                     self._done(message["frame"], message["errors"])
                 elif op == "status":
-                    self._set_status(message["status"])
+                    self._set_status(message)
                 else:
                     future = self._pending.pop(message["id"])
                     if future.done():

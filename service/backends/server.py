@@ -28,7 +28,7 @@ from ..metrics import Metrics
 from ..records import record_dtype
 from ..settings import Settings
 from . import wire
-from .arena import map_records
+from .arena import BOARD_SLOTS, map_records
 from .local import LocalBackend
 
 log = logging.getLogger("vitserve")
@@ -51,14 +51,16 @@ class InferenceServer:
     def __init__(self, settings: Settings, socket_path: Path):
         self.settings, self.socket_path = settings, socket_path
         self.backend = LocalBackend(settings, Metrics(), on_status=self._push_status)
-        self.backend.new_models = False  # the workers' boards and outboxes are laid out for start-up's models
-        self.entries = {e.name: e for e in self.backend.entries}
+        self.backend.max_models = BOARD_SLOTS
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()
         self._frames: dict[tuple[asyncio.StreamWriter, int], Frame] = {}  # open frames, by worker and key
 
     def _status_message(self) -> dict:
-        return {"op": "status", "status": {k: dataclasses.asdict(v) for k, v in self.backend.status().items()}}
+        """The models, in the order of the workers' boards (a reload's new manifest, a new model last), and their
+        status."""
+        return {"op": "status", "status": {k: dataclasses.asdict(v) for k, v in self.backend.status().items()},
+                "entries": [{"folder": str(e.folder), "manifest": e.manifest} for e in self.backend.entries]}
 
     def _push_status(self) -> None:
         frame = wire.pack(self._status_message())
@@ -80,9 +82,7 @@ class InferenceServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         arenas: dict[str, np.ndarray] = {}  # this worker's arenas, mapped on first use
-        entries = [{"folder": str(e.folder), "manifest": e.manifest} for e in self.backend.entries]
-        writer.write(wire.pack({"op": "hello", "entries": entries, "problems": self.backend.problems,
-                                **self._status_message()}))
+        writer.write(wire.pack({**self._status_message(), "op": "hello", "problems": self.backend.problems}))
         self._writers.add(writer)
         board = None
         try:
@@ -94,8 +94,7 @@ class InferenceServer:
                 elif op == "cancel":
                     self._cancel(writer, message)
                 elif op == "board":
-                    board = map_records(self.socket_path.parent / message["board"], np.dtype(np.int32),
-                                        max(1, len(self.backend.entries)))
+                    board = map_records(self.socket_path.parent / message["board"], np.dtype(np.int32), BOARD_SLOTS)
                     self.backend.boards.append(board)
                 else:
                     self._track(self._answer(message, arrays, writer))
@@ -116,7 +115,7 @@ class InferenceServer:
         model, kind = message["model"], message["kind"]
         key = message["arena"]
         if key not in arenas:
-            dtype = record_dtype(self.entries[model], kind)
+            dtype = record_dtype(self.backend.by_name[model], kind)
             path = self.socket_path.parent / key
             arenas[key] = map_records(path, dtype, path.stat().st_size // dtype.itemsize)
         starts, counts = arrays["start"], arrays["count"]
