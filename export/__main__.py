@@ -5,10 +5,12 @@
 
     python -m export mtcnn --out model_repository
 
+    python -m export vit_micro_patch8_96 --weights runs/retrained/model.safetensors --name shapes-vit --version next
+
 Writes OUT/NAME/model.onnx, OUT/NAME/explain.onnx (ViT/DeiT: every block's attention, for rollout) and
-OUT/NAME/manifest.json; `mtcnn` writes the face detector that /expression uses (OUT/mtcnn/{pnet,rnet,onet}.onnx,
-from models/pretrained/mtcnn.safetensors). Progress goes to stderr; a failed check exits non-zero and leaves
-nothing behind.
+OUT/NAME/manifest.json (with --version, into OUT/NAME/N/ instead); `mtcnn` writes the face detector that
+/expression uses (OUT/mtcnn/{pnet,rnet,onet}.onnx, from models/pretrained/mtcnn.safetensors). Progress goes to
+stderr; a failed check exits non-zero and leaves nothing behind.
 """
 import argparse
 import sys
@@ -23,6 +25,12 @@ from .face_detector import export_face_detector
 from .parity import ParityError
 from .pipeline import ExportError, export_model
 from .precision import PRECISIONS
+
+
+def version_number(text: str) -> str:
+    if text != "next" and not (text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number nor next")
+    return text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--task", choices=["classification", "expression"], help="default: the model's")
     p.add_argument("--name", help="the model's name in the repository (default: MODEL[-PRECISION])")
     p.add_argument("--out", type=Path, default=Path("model_repository"), help="the model repository folder")
+    p.add_argument("--version", type=version_number, metavar="N|next",
+                   help="write OUT/NAME/N, a version of the model beside the others (next: one past the latest); "
+                        "a server loads the latest (POST /v2/repository/models/NAME/load, or polling)")
     p.add_argument("--eval-data", type=Path, help="held-out ImageFolder for accuracy and the fp16/int8 gate")
     p.add_argument("--no-explain", action="store_true", help="skip the explain graph (rollout maps)")
     return p.parse_args(argv)

@@ -22,6 +22,7 @@ from torch import nn
 
 from models import create_model, get_spec, load_weights
 from models.swin_transformer import SwinTransformer
+from repository import versions
 
 from . import manifest as mf
 from .fusion import fuse_for_ort
@@ -139,6 +140,21 @@ def _outputs(proto) -> list[dict]:
         dims = [d.dim_value if d.HasField("dim_value") else "batch" for d in value.type.tensor_type.shape.dim]
         out.append({"name": value.name, "shape": dims, "dtype": "float32", "description": descriptions[value.name]})
     return out
+
+
+def target_folder(out: Path, name: str, version: str | None) -> tuple[Path, int | None]:
+    """Where an export goes: OUT/NAME (a flat folder), or OUT/NAME/N with a version (`next`: one past the
+    latest); and its version number, if any."""
+    folder = out / name
+    found = versions(folder) if folder.is_dir() else []
+    if version is None:
+        if found:
+            raise ExportError(f"{folder} holds versions {', '.join(map(str, found))}: pass --version next")
+        return folder, None
+    if (folder / "manifest.json").is_file():
+        raise ExportError(f"{folder} is a flat folder (version 1): move its files into {folder}/1 to add versions")
+    number = int(version) if version != "next" else (found[-1] + 1 if found else 1)
+    return folder / str(number), number
 
 
 @contextmanager
@@ -266,7 +282,8 @@ def export_model(args) -> Path:
     meta = weights_metadata(args.weights)
     labels = resolve_labels(args, meta)
     name = args.name or (args.model if args.precision == "fp32" else f"{args.model}-{args.precision}")
-    with building(args.out, name) as work:
+    target, version = target_folder(args.out, name, args.version)
+    with building(target.parent, target.name) as work:
         log(f"building {args.model} ({len(labels)} classes) from {args.weights or 'random init'}")
         model = build_model(args, labels, meta)
         inputs = gate_inputs(model.spec, args.eval_data)
@@ -279,4 +296,6 @@ def export_model(args) -> Path:
             with_empty_defaults(path)  # either input alone runs it
         files = {kind: mf.file_entry(path) for kind, path in graphs.items()}
         manifest = _manifest(args, name, labels, meta, model, proto, counts, parity, files, explain_outputs)
-        return publish(work, args.out / name, manifest, log)
+        if version is not None:
+            manifest["version"] = version
+        return publish(work, target, manifest, log)

@@ -1,8 +1,9 @@
 """Model folders: manifest.json validated against its schema, every graph against its sha256.
 
 A folder holds a model clients call (manifest.schema.json) or the face detector that /expression uses
-(face_detector.schema.json, task face-detection). A folder that fails is reported with the reason and not
-served; the others are.
+(face_detector.schema.json, task face-detection). A model folder is flat (its graphs and manifest.json in it:
+version 1) or holds versions, one numbered subfolder each (NAME/1/, NAME/2/ ...), of which the latest serves.
+A folder that fails is reported with the reason and not served; the others are.
 """
 import hashlib
 import json
@@ -31,6 +32,16 @@ class ModelEntry:
     @property
     def name(self) -> str:
         return self.manifest["name"]
+
+    @property
+    def location(self) -> str:
+        """Its folder as the repository's problems name it: NAME, or NAME/VERSION."""
+        return _where(self.folder)
+
+    @property
+    def version(self) -> int:
+        """The number of its version folder (NAME/2/ is version 2); a flat folder's model is version 1."""
+        return int(self.folder.name) if self.folder.name.isdigit() else 1
 
     @property
     def task(self) -> str:
@@ -77,9 +88,9 @@ def verify_file(entry: ModelEntry, file: str) -> Path:
     """The path of one of the entry's graphs, after checking it is there and its sha256 matches."""
     path, expected = entry.path(file), entry.manifest["files"][file]["sha256"]
     if not path.is_file():
-        raise RepositoryError(f"{entry.name}: {path.name} is missing")
+        raise RepositoryError(f"{entry.location}: {path.name} is missing")
     if sha256(path) != expected:
-        raise RepositoryError(f"{entry.name}: {path.name} does not match the sha256 in its manifest")
+        raise RepositoryError(f"{entry.location}: {path.name} does not match the sha256 in its manifest")
     return path
 
 
@@ -89,20 +100,28 @@ def validate_manifest(manifest: dict) -> None:
     jsonschema.validate(manifest, _schema(kind))
 
 
+def _where(folder: Path) -> str:
+    """A folder as messages name it: NAME, or NAME/VERSION."""
+    return f"{folder.parent.name}/{folder.name}" if folder.name.isdigit() else folder.name
+
+
 def read_entry(folder: Path) -> ModelEntry:
+    where = _where(folder)
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
         if isinstance(manifest, dict) and manifest.get("schema_version", SCHEMA_VERSION) < SCHEMA_VERSION:
-            raise RepositoryError(f"{folder.name}: exported by an older vitserve (manifest schema "
+            raise RepositoryError(f"{where}: exported by an older vitserve (manifest schema "
                                   f"{manifest['schema_version']}, float32 input); export it again with `python -m "
                                   "export` to get the uint8 image input")
         validate_manifest(manifest)
     except json.JSONDecodeError as e:
-        raise RepositoryError(f"{folder.name}: manifest.json is not JSON ({e})") from None
+        raise RepositoryError(f"{where}: manifest.json is not JSON ({e})") from None
     except jsonschema.ValidationError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
-        raise RepositoryError(f"{folder.name}: manifest.json is invalid at {where}: {e.message}") from None
+        raise RepositoryError(f"{where}: manifest.json is invalid at {where}: {e.message}") from None
     entry = ModelEntry(folder, manifest)
+    if manifest.get("version", entry.version) != entry.version:
+        raise RepositoryError(f"{where}: its manifest says version {manifest['version']}")
     for file in ["model"] if entry.task != FACE_DETECTION else manifest["files"]:  # explain.onnx: on first use
         verify_file(entry, file)
     return entry
@@ -112,20 +131,31 @@ def _folders(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
 
 
+def versions(folder: Path) -> list[int]:
+    """The version numbers of a model folder's subfolders (NAME/1/, NAME/2/ ...), in order; [] when flat."""
+    return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+
+
+def served_folder(folder: Path) -> Path:
+    """Where a model folder's served graphs are: its latest version's subfolder, or the folder itself (flat)."""
+    found = versions(folder)
+    return folder / str(found[-1]) if found else folder
+
+
 def scan(root: Path) -> tuple[list[ModelEntry], dict[str, str]]:
     """The servable entries, models and face detectors (sorted by name), and, by folder name, why the others
     are not."""
     if not root.is_dir():
         raise RepositoryError(f"no model repository at {root}")
     entries, problems = [], {}
-    for folder in _folders(root):
+    for folder in map(served_folder, _folders(root)):
         if not (folder / "manifest.json").is_file():
-            problems[folder.name] = "no manifest.json: not a model folder (python -m export writes one)"
+            problems[_where(folder)] = "no manifest.json: not a model folder (python -m export writes one)"
             continue
         try:
             entries.append(read_entry(folder))
         except (RepositoryError, OSError) as e:
-            problems[folder.name] = str(e)
+            problems[_where(folder)] = str(e)
     names = [e.name for e in entries]
     duplicates = {n for n in names if names.count(n) > 1}
     if duplicates:
@@ -153,8 +183,9 @@ def _peek(folder: Path, key: str) -> object:
 
 
 def find_entry(root: Path, name: str) -> ModelEntry:
-    """The folder of `root` whose manifest names the model `name`, read and verified as at start-up."""
-    for folder in _folders(root):
+    """The model `name` as it would serve now (a versioned folder's latest version), read and verified as at
+    start-up."""
+    for folder in map(served_folder, _folders(root)):
         if _peek(folder, "name") == name:
             return read_entry(folder)
     raise RepositoryError(f"no folder of {root} holds a model named {name}")
@@ -164,7 +195,7 @@ def model_manifests(root: Path) -> dict[str, dict]:
     """The manifests of the repository's models (not its face detectors), by model name, unvalidated: what a rescan
     compares with what it loaded."""
     found = {}
-    for folder in _folders(root):
+    for folder in map(served_folder, _folders(root)):
         try:
             manifest = json.loads((folder / "manifest.json").read_text())
         except (OSError, ValueError):
@@ -177,7 +208,7 @@ def model_manifests(root: Path) -> dict[str, dict]:
 
 def face_detector(root: Path) -> tuple[ModelEntry | None, str | None]:
     """The repository's face detector (the first by folder name), or None and why there is none."""
-    for folder in _folders(root):
+    for folder in map(served_folder, _folders(root)):
         if _peek(folder, "task") == FACE_DETECTION:
             try:
                 return read_entry(folder), None

@@ -43,7 +43,7 @@ class Metrics:
         self.queue_depth = Gauge("vitserve_queue_depth", "images waiting for a batch", ["model"], registry=r,
                                  multiprocess_mode="livesum")
         self.model_info = Gauge("vitserve_model_info", "served models (value 1): what runs, where",
-                                ["model", "architecture", "task", "precision", "provider"], registry=r,
+                                ["model", "version", "architecture", "task", "precision", "provider"], registry=r,
                                 multiprocess_mode="livemax")
         self.ready = Gauge("vitserve_model_ready", "1 once the model is loaded and warm", ["model"], registry=r,
                            multiprocess_mode="livemax")

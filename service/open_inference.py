@@ -19,10 +19,13 @@ DATATYPES = {"FP32": np.dtype("<f4"), "UINT8": np.dtype("u1")}
 
 
 def find_model(pipelines: Pipelines, name: str, version: str | None) -> Pipeline:
-    """The named model, ready or not (NotFound for an unknown name, or a version other than 1)."""
+    """The named model, ready or not: its serving version, which `version` (if any) must name; NotFound else."""
     pipeline = pipelines.find(name)
-    if pipeline is None or version not in (None, "", "1"):
-        raise NotFound(f"no model {name!r}" + (f" version {version}" if version else ""), "model_not_found")
+    if pipeline is None:
+        raise NotFound(f"no model {name!r}", "model_not_found")
+    if version not in (None, "", str(pipeline.entry.version)):
+        raise NotFound(f"{name} version {version} is not served (version {pipeline.entry.version} is)",
+                       "model_not_found")
     return pipeline
 
 
@@ -32,7 +35,7 @@ def model_metadata(pipeline: Pipeline) -> dict:
     m = pipeline.entry.manifest
     h, w = m["input"]["size"]
     return {
-        "name": pipeline.name, "versions": ["1"], "platform": "onnxruntime_onnx",
+        "name": pipeline.name, "versions": [str(pipeline.entry.version)], "platform": "onnxruntime_onnx",
         "parameters": {"preprocessing": pipeline.entry.preprocessing},  # how to make `pixel_values` from a photo
         "inputs": [{"name": m["tensor_input"]["name"], "datatype": "FP32", "shape": [-1, 3, h, w]},
                    {"name": m["input"]["name"], "datatype": "UINT8", "shape": [-1, h, w, 3]}],

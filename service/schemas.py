@@ -40,6 +40,7 @@ class ClassifyResponse(BaseModel):
 
 class ModelInfo(BaseModel):
     name: str
+    version: int = Field(description="the version serving: its folder's number (NAME/2/), 1 for a flat folder")
     architecture: str
     family: str
     task: str

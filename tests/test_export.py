@@ -17,8 +17,9 @@ from export.fusion import REWRITES, fuse_for_ort, masked_attention_as_matmuls
 from export.graph import MainGraph, export_form, export_program, save_graph, unfused_attention
 from export.manifest import sha256, validate
 from export.parity import ParityError, check_fp32, check_reduced, gate_inputs, reduced_precision_passes
+from export.pipeline import target_folder
 from models.synthetic import __main__ as synthetic
-from repository import graph_inputs
+from repository import graph_inputs, read_entry
 
 MICRO = {"vit": "vit_micro_patch8_96", "deit": "deit_micro_distilled_patch8_96", "swin": "swin_micro_patch4_window6_96"}
 BLOCKS = {"vit": 4, "deit": 4, "swin": 6}
@@ -359,3 +360,22 @@ def test_failures_are_clear_and_leave_nothing_behind(repo, tmp_path, capsys):
         export_main([MICRO["vit"], "--random-init", "--out", str(tmp_path / "a-file" / "repo")])
     export_main(three + ["--replace-head", "--name", "three", "--no-explain"])  # the backbone, a new classifier
     assert manifest(out, "three")["labels"] == ["cat", "dog", "fox"]
+
+
+def test_versions_go_into_numbered_folders_and_never_mix_with_a_flat_one(repo, tmp_path):
+    out = tmp_path / "repo"
+    vit = [MICRO["vit"], "--weights", str(repo / "vit.safetensors"), "--no-explain", "--out", str(out)]
+    export_main(vit + ["--name", "v", "--version", "next"])
+    assert json.loads((out / "v" / "1" / "manifest.json").read_text())["version"] == 1
+    assert read_entry(out / "v" / "1").version == 1
+    assert target_folder(out, "v", "next") == (out / "v" / "2", 2)
+    assert target_folder(out, "v", "7") == (out / "v" / "7", 7)
+    with pytest.raises(SystemExit, match="holds versions 1: pass --version next"):
+        export_main(vit + ["--name", "v"])  # a flat export would delete the versions
+    (out / "flat").mkdir()
+    (out / "flat" / "manifest.json").write_text("{}")
+    with pytest.raises(SystemExit, match="is a flat folder"):
+        export_main(vit + ["--name", "flat", "--version", "next"])
+    with pytest.raises(SystemExit):
+        export_main(vit + ["--name", "v", "--version", "0"])
+    assert sorted(p.name for p in (out / "v").iterdir()) == ["1"]  # nothing half-written beside it

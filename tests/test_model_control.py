@@ -3,7 +3,7 @@ polling the repository: no request lost under load, a broken upload leaving the 
 backends, and Triton's client as is.
 
 "Version 2" of shapes-vit is the int8 graph of the same model (its own answers, the same record layout), written
-into shapes-vit's folder with a manifest that names it shapes-vit.
+into shapes-vit's folder (or its version folder shapes-vit/2/) with a manifest that names it shapes-vit.
 """
 import json
 import shutil
@@ -20,6 +20,8 @@ import tritonclient.http as triton
 from service_process import ROOT, direct_probabilities, metric, photo_bytes, running_service
 from tritonclient.utils import InferenceServerException
 
+from repository import find_entry, scan
+
 REPO = ROOT / "model_repository"
 JPEG = photo_bytes("chelsea", "JPEG")
 V1 = direct_probabilities(REPO / "shapes-vit", JPEG)
@@ -35,7 +37,7 @@ def repository(tmp_path) -> Path:
 
 def write_model(folder: Path, source: Path, name: str, **changes) -> None:
     """`source`'s graph into `folder` under the model name `name`, the manifest last (as an exporter publishes)."""
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     manifest = {**json.loads((source / "manifest.json").read_text()), "name": name, **changes}
     for file in manifest["files"].values():
         shutil.copyfile(source / file["path"], folder / f".{file['path']}.part")
@@ -90,12 +92,15 @@ def hammering(url: str, clients: int) -> Iterator[tuple[list, list]]:
 
 
 @pytest.mark.parametrize("backend", ["thread", "process"])
-def test_a_reload_under_32_clients_loses_no_request_and_a_broken_one_leaves_the_old_graph_serving(repository, backend):
-    with running_service(model_repository=repository, model_control="explicit", backend=backend,
+def test_version_2_replaces_version_1_under_32_clients_with_no_request_lost_and_a_broken_3_leaves_2_serving(
+        tmp_path, backend):
+    write_model(tmp_path / "shapes-vit" / "1", REPO / "shapes-vit", "shapes-vit", version=1)
+    with running_service(model_repository=tmp_path, model_control="explicit", backend=backend,
                          **({"workers": 2} if backend == "process" else {})) as url:
+        assert httpx.get(f"{url}/v2/models/shapes-vit/versions/1/ready").status_code == 200
         with hammering(url, 32) as (answers, failures):
             time.sleep(1.5)
-            write_model(repository / "shapes-vit", REPO / "shapes-vit-int8", "shapes-vit")
+            write_model(tmp_path / "shapes-vit" / "2", REPO / "shapes-vit-int8", "shapes-vit", version=2)
             loaded = httpx.post(f"{url}/v2/repository/models/shapes-vit/load", timeout=120)
             switched = time.monotonic()
             time.sleep(1.5)
@@ -103,20 +108,28 @@ def test_a_reload_under_32_clients_loses_no_request_and_a_broken_one_leaves_the_
         assert not failures and answers and {status for _, status, _ in answers} == {200}
         assert {version for _, _, version in answers} == {1, 2}  # every answer is one graph's or the other's
         assert {version for sent, _, version in answers if sent > switched} == {2}
-        assert index(url)["shapes-vit"] == {"name": "shapes-vit", "version": "1", "state": "READY", "reason": ""}
+        assert index(url)["shapes-vit"] == {"name": "shapes-vit", "version": "2", "state": "READY", "reason": ""}
+        assert httpx.get(f"{url}/v2/models/shapes-vit/versions/2/ready").status_code == 200
+        assert httpx.get(f"{url}/v2/models/shapes-vit/versions/1/ready").status_code == 404
+        assert httpx.get(f"{url}/v2/models/shapes-vit").json()["versions"] == ["2"]
+        assert {m["name"]: m["version"] for m in httpx.get(f"{url}/models").json()["models"]}["shapes-vit"] == 2
         if backend == "thread":  # (the inference process's own metrics are not the workers')
             text = httpx.get(f"{url}/metrics").text
             assert metric(text, "vitserve_model_loads_total", model="shapes-vit", outcome="ok") == 2
             assert metric(text, "vitserve_model_load_seconds_count", model="shapes-vit") == 2
+            info = [line for line in text.splitlines() if line.startswith("vitserve_model_info{")
+                    and 'model="shapes-vit"' in line]
+            assert len(info) == 1 and 'version="2"' in info[0]  # one series: what serves it now
 
-        # a corrupt upload: refused with its reason, the graph before it still serving
-        (repository / "shapes-vit" / "model.onnx").write_bytes(b"not a graph")
+        # a corrupt upload: refused with its reason, the version before it still serving
+        write_model(tmp_path / "shapes-vit" / "3", REPO / "shapes-vit-int8", "shapes-vit", version=3)
+        (tmp_path / "shapes-vit" / "3" / "model.onnx").write_bytes(b"not a graph")
         broken = httpx.post(f"{url}/v2/repository/models/shapes-vit/load", timeout=120)
-        assert broken.status_code == 400 and "does not match the sha256" in broken.json()["error"]
+        assert broken.status_code == 400 and "shapes-vit/3: model.onnx does not match the sha256" in broken.json()["error"]
         with httpx.Client(timeout=60) as session:
             assert which(probabilities(classify(session, url))) == 2
         row = index(url)["shapes-vit"]
-        assert row["state"] == "READY" and "does not match the sha256" in row["reason"]
+        assert row["state"] == "READY" and row["version"] == "2" and "does not match the sha256" in row["reason"]
         if backend == "thread":
             assert metric(httpx.get(f"{url}/metrics").text, "vitserve_model_loads_total", model="shapes-vit",
                           outcome="failed") == 1
@@ -189,3 +202,13 @@ def test_polling_applies_a_new_export_a_new_model_and_a_removed_one(repository, 
         assert classify(c, url, "shapes-deit-copy").status_code == 200  # a new model: the workers learn of it too
         assert index(url)["shapes-deit-copy"]["state"] == "READY"
         assert "shapes-deit-copy" in {m["name"] for m in c.get(f"{url}/models").json()["models"]}
+
+
+def test_a_model_folder_serves_its_latest_version_and_a_broken_one_is_named(tmp_path):
+    write_model(tmp_path / "shapes-vit" / "1", REPO / "shapes-vit", "shapes-vit", version=1)
+    write_model(tmp_path / "shapes-vit" / "2", REPO / "shapes-vit-int8", "shapes-vit", version=2)
+    (entry,), problems = scan(tmp_path)
+    assert entry.version == 2 and entry.folder == tmp_path / "shapes-vit" / "2" and problems == {}
+    assert find_entry(tmp_path, "shapes-vit").version == 2
+    write_model(tmp_path / "shapes-vit" / "10", REPO / "shapes-vit-int8", "shapes-vit", version=9)
+    assert scan(tmp_path) == ([], {"shapes-vit/10": "shapes-vit/10: its manifest says version 9"})

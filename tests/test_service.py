@@ -142,8 +142,8 @@ def test_batches_form_under_concurrent_requests_and_metrics_move(url):
     assert waits == 24  # one per request
     requests = {"route": "/classify", "method": "POST", "status": "200"}
     assert metric(after, "vitserve_requests_total", **requests) - metric(before, "vitserve_requests_total", **requests) == 24
-    assert metric(after, "vitserve_model_info", model="shapes-deit", architecture="deit_micro_distilled_patch8_96",
-                  task="classification", precision="fp32", provider="CPUExecutionProvider") == 1
+    assert metric(after, "vitserve_model_info", model="shapes-deit", version="1",
+                  architecture="deit_micro_distilled_patch8_96", task="classification", precision="fp32", provider="CPUExecutionProvider") == 1
     assert process_metrics(after)["process_cpu_seconds_total"] > process_metrics(before)["process_cpu_seconds_total"]
     assert process_metrics(after)["process_resident_memory_bytes"] > 50 * 2**20  # the sessions are in memory
 

@@ -59,6 +59,7 @@ class LocalBackend:
         self.boards: list[np.ndarray] = []
         self._loading: asyncio.Task | None = None
         self.device = CPU
+        self._info_labels: dict[str, tuple[str, ...]] = {}
         self.max_models: int | None = None  # under the process backend, the workers' boards have this many slots
         self._lifecycle = asyncio.Lock()  # one load or unload at a time
         self._polling: asyncio.Task | None = None
@@ -143,11 +144,19 @@ class LocalBackend:
         self._status[name] = ModelStatus(True, None, provider, plan.precision, plan.graph, decode_on, loads=loads)
         self.metrics.ready.labels(name).set(1)
         self.metrics.loads.labels(name, "ok").inc()
-        self.metrics.model_info.labels(name, entry.manifest["architecture"], entry.task, plan.precision,
-                                       provider).set(1)
+        self._info(name, (name, str(entry.version), entry.manifest["architecture"], entry.task, plan.precision,
+                          provider))
         log.info("%s ready on %s (%s, %s%s)", name, provider, entry.manifest["architecture"], plan.precision,
                  "" if plan.graph == name else f", the graph of {plan.graph}")
         self.on_status()
+
+    def _info(self, name: str, labels: tuple[str, ...] | None) -> None:
+        """vitserve_model_info's one series for the model: what serves it now, if anything."""
+        if (old := self._info_labels.pop(name, None)) is not None:
+            self.metrics.model_info.remove(*old)
+        if labels is not None:
+            self.metrics.model_info.labels(*labels).set(1)
+            self._info_labels[name] = labels
 
     def _fail(self, name: str, error: str) -> None:
         self._status[name] = ModelStatus(False, error)
@@ -313,7 +322,9 @@ class LocalBackend:
         else:
             self.entries.append(entry)  # last: the workers' boards keep their order
         self.by_name[name], self.plans[name] = entry, plan
-        self.problems.pop(entry.folder.name, None)
+        model_folder = entry.location.split("/")[0]  # its problems, any version's, are solved
+        for where in [w for w in self.problems if w.split("/")[0] == model_folder]:
+            del self.problems[where]
         if graph not in self.batchers:
             self._start_batcher(graph)
         self._ready(name, runner.provider, self._status[name].loads + 1 if name in self._status else 1)
@@ -326,6 +337,7 @@ class LocalBackend:
                 raise NotFound(f"{model} is not being served", "model_not_found")
             self._status[model] = ModelStatus(unloaded=True, loads=status.loads)
             self.metrics.ready.labels(model).set(0)
+            self._info(model, None)
             log.info("%s unloading: answering the requests it accepted", model)
             self.on_status()
             graph = self.plans[model].graph
@@ -364,7 +376,7 @@ class LocalBackend:
             state = "READY" if s.ready else "UNAVAILABLE" if s.error or s.unloaded else "LOADING"
             reason = "; ".join(why for why in (s.error, "unloaded" if s.unloaded else None,
                                                s.last_failure and f"the last load failed: {s.last_failure}") if why)
-            rows.append({"name": name, "version": "1", "state": state, "reason": reason})
+            rows.append({"name": name, "version": str(self.by_name[name].version), "state": state, "reason": reason})
         rows += [{"name": folder, "state": "UNAVAILABLE", "reason": why} for folder, why in self.problems.items()
                  if folder not in self._status]
         return rows

@@ -12,7 +12,8 @@ router = APIRouter(tags=["models"])
 def model_info(pipeline: Pipeline, status: ModelStatus) -> ModelInfo:
     m = pipeline.entry.manifest
     return ModelInfo(
-        name=pipeline.name, architecture=m["architecture"], family=m["family"], task=m["task"], labels=m["labels"],
+        name=pipeline.name, version=pipeline.entry.version, architecture=m["architecture"], family=m["family"],
+        task=m["task"], labels=m["labels"],
         input_size=m["input"]["size"], preprocessing=pipeline.entry.preprocessing,
         precision=status.precision or m["precision"], provider=status.provider,
         graph=status.graph, decode=status.decode, ready=status.ready, error=status.error,
