@@ -2,13 +2,16 @@
 
 A folder holds a model clients call (manifest.schema.json) or the face detector that /expression uses
 (face_detector.schema.json, task face-detection). A model folder is flat (its graphs and manifest.json in it:
-version 1) or holds versions, one numbered subfolder each (NAME/1/, NAME/2/ ...), of which the latest serves.
-A folder that fails is reported with the reason and not served; the others are.
+version 1) or holds versions, one numbered subfolder each (NAME/1/, NAME/2/ ...); its policy.json says which
+serve: {"latest": N} (the default, N = 1), {"all": true} or {"specific": [1, 3]}. Each version serving is an
+entry of its own, keyed NAME (flat) or NAME@VERSION. A folder that fails is reported with the reason and not
+served; the others are.
 """
 import hashlib
 import json
 from dataclasses import dataclass
 from functools import cache
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -32,6 +35,11 @@ class ModelEntry:
     @property
     def name(self) -> str:
         return self.manifest["name"]
+
+    @property
+    def key(self) -> str:
+        """What the service keys a version serving by: NAME for a flat folder, NAME@VERSION for a version folder."""
+        return f"{self.name}@{self.folder.name}" if self.folder.name.isdigit() else self.name
 
     @property
     def location(self) -> str:
@@ -136,10 +144,43 @@ def versions(folder: Path) -> list[int]:
     return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
 
 
-def served_folder(folder: Path) -> Path:
-    """Where a model folder's served graphs are: its latest version's subfolder, or the folder itself (flat)."""
+def version_policy(folder: Path) -> dict:
+    """A versioned model folder's policy.json ({"latest": 1} where it has none), checked."""
+    path = folder / "policy.json"
+    try:
+        policy = json.loads(path.read_text()) if path.is_file() else {"latest": 1}
+    except ValueError as e:
+        raise RepositoryError(f"{folder.name}: policy.json is not JSON ({e})") from None
+    ok = isinstance(policy, dict) and len(policy) == 1 and (
+        (isinstance(policy.get("latest"), int) and policy["latest"] > 0) or policy.get("all") is True
+        or (isinstance(policy.get("specific"), list) and policy["specific"]
+            and all(isinstance(v, int) and v > 0 for v in policy["specific"])))
+    if not ok:
+        raise RepositoryError(f'{folder.name}: policy.json must be {{"latest": N}}, {{"all": true}} or '
+                              f'{{"specific": [versions]}}, not {path.read_text().strip()}')
+    return policy
+
+
+def served_folders(folder: Path) -> list[Path]:
+    """Where a model folder's serving graphs are: the folder itself (flat), or the version folders its policy
+    names (oldest first; a version the policy names that is not there is not served)."""
     found = versions(folder)
-    return folder / str(found[-1]) if found else folder
+    if not found:
+        return [folder]
+    policy = version_policy(folder)
+    chosen = found[-policy["latest"]:] if "latest" in policy else found if "all" in policy else \
+        [v for v in found if v in policy["specific"]]
+    return [folder / str(v) for v in chosen]
+
+
+def _serving(root: Path) -> Iterator[tuple[Path, Path | RepositoryError]]:
+    """(model folder, each folder serving in it), or the reason its policy chooses none."""
+    for folder in _folders(root):
+        try:
+            for served in served_folders(folder):
+                yield folder, served
+        except RepositoryError as e:
+            yield folder, e
 
 
 def scan(root: Path) -> tuple[list[ModelEntry], dict[str, str]]:
@@ -147,19 +188,23 @@ def scan(root: Path) -> tuple[list[ModelEntry], dict[str, str]]:
     are not."""
     if not root.is_dir():
         raise RepositoryError(f"no model repository at {root}")
-    entries, problems = [], {}
-    for folder in map(served_folder, _folders(root)):
-        if not (folder / "manifest.json").is_file():
+    entries, problems, owners = [], {}, {}
+    for model_folder, folder in _serving(root):
+        if isinstance(folder, RepositoryError):
+            problems[model_folder.name] = str(folder)
+        elif not (folder / "manifest.json").is_file():
             problems[_where(folder)] = "no manifest.json: not a model folder (python -m export writes one)"
-            continue
-        try:
-            entries.append(read_entry(folder))
-        except (RepositoryError, OSError) as e:
-            problems[_where(folder)] = str(e)
-    names = [e.name for e in entries]
-    duplicates = {n for n in names if names.count(n) > 1}
+        else:
+            try:
+                entry = read_entry(folder)
+            except (RepositoryError, OSError) as e:
+                problems[_where(folder)] = str(e)
+                continue
+            entries.append(entry)
+            owners.setdefault(entry.name, set()).add(model_folder)
+    duplicates = sorted(name for name, folders in owners.items() if len(folders) > 1)
     if duplicates:
-        raise RepositoryError(f"several folders declare the model name(s) {', '.join(sorted(duplicates))}")
+        raise RepositoryError(f"several folders declare the model name(s) {', '.join(duplicates)}")
     return entries, problems
 
 
@@ -182,34 +227,34 @@ def _peek(folder: Path, key: str) -> object:
     return manifest.get(key) if isinstance(manifest, dict) else None
 
 
-def find_entry(root: Path, name: str) -> ModelEntry:
-    """The model `name` as it would serve now (a versioned folder's latest version), read and verified as at
-    start-up."""
-    for folder in map(served_folder, _folders(root)):
-        if _peek(folder, "name") == name:
-            return read_entry(folder)
+def find_entries(root: Path, name: str) -> list[ModelEntry]:
+    """The versions of the model `name` that its policy serves, read and verified as at start-up."""
+    for folder in _folders(root):
+        served = served_folders(folder)
+        if any(_peek(f, "name") == name for f in served):
+            return [read_entry(f) for f in served]
     raise RepositoryError(f"no folder of {root} holds a model named {name}")
 
 
-def model_manifests(root: Path) -> dict[str, dict]:
-    """The manifests of the repository's models (not its face detectors), by model name, unvalidated: what a rescan
-    compares with what it loaded."""
-    found = {}
-    for folder in map(served_folder, _folders(root)):
+def model_manifests(root: Path) -> dict[str, list[dict]]:
+    """By model name, the manifests of the versions its policy serves (not the face detectors'), unvalidated:
+    what a rescan compares with what it loaded."""
+    found: dict[str, list[dict]] = {}
+    for _, folder in _serving(root):
         try:
             manifest = json.loads((folder / "manifest.json").read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError):  # TypeError: a policy that chose nothing (scan reports it)
             continue
         if isinstance(manifest, dict) and isinstance(name := manifest.get("name"), str) \
                 and manifest.get("task") != FACE_DETECTION:
-            found.setdefault(name, manifest)
+            found.setdefault(name, []).append(manifest)
     return found
 
 
 def face_detector(root: Path) -> tuple[ModelEntry | None, str | None]:
     """The repository's face detector (the first by folder name), or None and why there is none."""
-    for folder in map(served_folder, _folders(root)):
-        if _peek(folder, "task") == FACE_DETECTION:
+    for _, folder in _serving(root):
+        if not isinstance(folder, RepositoryError) and _peek(folder, "task") == FACE_DETECTION:
             try:
                 return read_entry(folder), None
             except (RepositoryError, OSError) as e:

@@ -120,7 +120,7 @@ class InferenceService:
     @rpc
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
         pipeline = find_model(self.pipelines, request.name, request.version)
-        return pb.ModelReadyResponse(ready=self.pipelines.backend.status()[pipeline.name].ready)
+        return pb.ModelReadyResponse(ready=self.pipelines.backend.status()[pipeline.key].ready)
 
     @rpc
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
@@ -169,15 +169,15 @@ class InferenceService:
             reader.cancel()
 
     async def infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        find_model(self.pipelines, request.model_name, request.model_version)
-        pipeline = self.pipelines.get(request.model_name)
+        pipeline = self.pipelines.get(request.model_name, version=request.model_version)
         if len(request.inputs) != 1:
             raise BadInput(f"{len(request.inputs)} input tensors; send exactly one, `images` or `pixel_values`")
         tensor, shape = request.inputs[0], list(request.inputs[0].shape)
         dtype = input_dtype(pipeline, tensor.name, tensor.datatype, shape)
         out = await pipeline.tensors(input_batch(tensor_values(request, dtype), shape))
         outputs = model_outputs(pipeline, out.fields, [o.name for o in request.outputs])
-        response = pb.ModelInferResponse(model_name=pipeline.name, model_version="1", id=request.id)
+        response = pb.ModelInferResponse(model_name=pipeline.name, model_version=str(pipeline.entry.version),
+                                         id=request.id)
         for name, value in outputs.items():
             response.outputs.add(name=name, datatype="FP32", shape=value.shape)
             response.raw_output_contents.append(value.tobytes())

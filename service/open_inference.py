@@ -19,13 +19,10 @@ DATATYPES = {"FP32": np.dtype("<f4"), "UINT8": np.dtype("u1")}
 
 
 def find_model(pipelines: Pipelines, name: str, version: str | None) -> Pipeline:
-    """The named model, ready or not: its serving version, which `version` (if any) must name; NotFound else."""
-    pipeline = pipelines.find(name)
+    """The named model, ready or not: the version asked for, else the one its name reaches; NotFound else."""
+    pipeline = pipelines.find(name, version)
     if pipeline is None:
-        raise NotFound(f"no model {name!r}", "model_not_found")
-    if version not in (None, "", str(pipeline.entry.version)):
-        raise NotFound(f"{name} version {version} is not served (version {pipeline.entry.version} is)",
-                       "model_not_found")
+        raise NotFound(f"no model {name!r}" + (f" version {version}" if version else ""), "model_not_found")
     return pipeline
 
 

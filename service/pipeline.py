@@ -50,16 +50,17 @@ class Pipeline:
                  loads: int = 1):
         self.entry, self.backend, self.decode_pool, self.settings, self.metrics = (
             entry, backend, decode_pool, settings, metrics)
-        self.loads = loads  # the backend's load of the model it was made for
+        self.loads = loads  # the backend's load of the model version it was made for
         self.detector, self.detector_problem = detector, detector_problem  # expression models' faces
-        self.name, self.policy = entry.name, entry.policy
+        # the name clients call it by; the key the backend serves this version by (NAME, or NAME@VERSION)
+        self.name, self.key, self.policy = entry.name, entry.key, entry.policy
         self.fields = [*output_names(entry), "probs", "top_index", "top_score", *TIMINGS]
         self.attention_outputs = list(entry.manifest["attention"]["outputs"].values())
 
     async def images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False) -> Results:
         """Each upload decoded into one image record and run; where the backend decodes JPEGs on the GPU (and no
         photo is kept for a map), JPEGs go there undecoded."""
-        if not keep and self.backend.status()[self.name].decode == "gpu" and all(map(is_jpeg, uploads)):
+        if not keep and self.backend.status()[self.key].decode == "gpu" and all(map(is_jpeg, uploads)):
             return await self._jpegs(uploads, top_k)
 
         def fill(records: np.ndarray) -> tuple[list[float], list[Photo] | None]:
@@ -104,7 +105,7 @@ class Pipeline:
             faces = [Photo(face, face.size) for face in align(photo.image, found.landmarks, (side, side))]
             return photo.size, found.scaled(photo.size[0] / photo.image.width), faces
 
-        with self.backend.preparing(self.name):
+        with self.backend.preparing(self.key):
             size, found, photos = await asyncio.get_running_loop().run_in_executor(self.decode_pool,
                                                                                    decode_and_detect)
         found_ms = self._decoded(start)
@@ -145,11 +146,11 @@ class Pipeline:
             """In the decode pool: fill the records, and run them there too where the model is idle (a lone
             request: two thread hops fewer); whether they ran."""
             decode_ms, photos = fill(records)
-            return decode_ms, photos, kind != "jpeg" and self.backend.run_here(self.name, records, top_k)
+            return decode_ms, photos, kind != "jpeg" and self.backend.run_here(self.key, records, top_k)
 
-        with self.backend.records(self.name, kind, n) as records:
+        with self.backend.records(self.key, kind, n) as records:
             if in_pool:
-                with self.backend.preparing(self.name):
+                with self.backend.preparing(self.key):
                     decode_ms, photos, ran = await asyncio.get_running_loop().run_in_executor(
                         self.decode_pool, fill_and_run, records)
             else:
@@ -157,11 +158,11 @@ class Pipeline:
             try:
                 async with asyncio.timeout(self.settings.request_timeout_s):
                     if not ran:
-                        await self.backend.run(self.name, records, top_k, jpegs)
+                        await self.backend.run(self.key, records, top_k, jpegs)
             except TimeoutError:
                 raise overloaded(f"no result from {self.name} within {self.settings.request_timeout_s:g}s",
                                  self.settings.retry_after_s) from None
-            graph = self.backend.status()[self.name].graph or self.name
+            graph = self.backend.status()[self.key].graph or self.key
             self.metrics.queue_seconds.labels(graph).observe(float(records["queue_ms"][0]) / 1e3)
             inputs = records["image"].copy() if keep else None
             return Results(results(records, self.fields), decode_ms, photos, inputs)
@@ -176,7 +177,7 @@ class Pipeline:
         photo = out.photos[i]
         backdrop = np.asarray(photo.image) if photo.upload is None else np.frombuffer(photo.upload, np.uint8)
         # copies, not views of the request's rows: the cache's byte count is then what it holds
-        return AttentionRecord(self.name, {k: out.fields[k][i].copy() for k in self.attention_outputs},
+        return AttentionRecord(self.key, {k: out.fields[k][i].copy() for k in self.attention_outputs},
                                out.inputs[i].copy(), backdrop, tuple(photo.size))
 
     async def keep(self, out: Results, i: int) -> str | None:
@@ -192,7 +193,9 @@ class Pipelines:
         self.backend, self.settings, self.metrics = backend, settings, metrics
         threads = settings.decode_threads or min(8, os.cpu_count() or 1)
         self.decode_pool = ThreadPoolExecutor(threads, thread_name_prefix="decode")
-        self.pipelines: dict[str, Pipeline] = {}
+        self.pipelines: dict[str, Pipeline] = {}  # by key
+        self._latest: dict[str, Pipeline] = {}  # by name: the version it reaches
+        self._generation = -1  # the backend's status generation they were made for
         self.default_model: str | None = None
         self.detector: FaceDetector | None = None
         self.detector_problem: str | None = None
@@ -204,10 +207,9 @@ class Pipelines:
         if any(e.task == "expression" for e in entries):
             self.detector, self.detector_problem = self._open_detector()
         self.served()
-        default = self.settings.default_model
-        if default is not None and default not in self.pipelines:
-            raise RepositoryError(f"VITSERVE_DEFAULT_MODEL={default} is not in the repository "
-                                  f"({', '.join(self.pipelines)})")
+        default, names = self.settings.default_model, sorted({e.name for e in entries})
+        if default is not None and default not in names:
+            raise RepositoryError(f"VITSERVE_DEFAULT_MODEL={default} is not in the repository ({', '.join(names)})")
         self.default_model = default or next((e.name for e in entries if e.task == "classification"),
                                              entries[0].name)
 
@@ -233,36 +235,59 @@ class Pipelines:
         return all(s.settled for s in status) and any(s.ready for s in status)
 
     def served(self) -> dict[str, Pipeline]:
-        """A pipeline per model the backend serves or loads (not those unloaded), made anew after a reload."""
-        status = self.backend.status()
+        """A pipeline per model version the backend serves or loads (not those unloaded), by key, made anew after
+        a reload; and which version each name reaches (the latest ready, else the latest)."""
+        status, live = self.backend.status(), {}
         for entry in self.backend.entries:
-            s = status.get(entry.name)
+            s = status.get(entry.key)
             if s is None or s.unloaded:
-                self.pipelines.pop(entry.name, None)
-            elif entry.name not in self.pipelines or self.pipelines[entry.name].loads != s.loads:
-                self.pipelines[entry.name] = Pipeline(entry, self.backend, self.decode_pool, self.settings,
-                                                      self.metrics, self.detector, self.detector_problem, s.loads)
-        return self.pipelines
+                continue
+            pipeline = self.pipelines.get(entry.key)
+            live[entry.key] = pipeline if pipeline is not None and pipeline.loads == s.loads else Pipeline(
+                entry, self.backend, self.decode_pool, self.settings, self.metrics, self.detector,
+                self.detector_problem, s.loads)
+        latest: dict[str, Pipeline] = {}
+        for key, pipeline in live.items():
+            best = latest.get(pipeline.name)
+            if best is None or (status[key].ready, pipeline.entry.version) > (status[best.key].ready,
+                                                                                best.entry.version):
+                latest[pipeline.name] = pipeline
+        self.pipelines, self._latest, self._generation = live, latest, self.backend.generation
+        return live
 
-    def find(self, name: str) -> Pipeline | None:
-        """The named model's pipeline, ready or not; None for a name not served."""
-        pipeline, status = self.pipelines.get(name), self.backend.status().get(name)
-        if status is not None and (pipeline is None or status.unloaded or pipeline.loads != status.loads):
-            pipeline = self.served().get(name)  # loaded, reloaded or unloaded since: rare, so looked for only then
-        return pipeline
+    def find(self, name: str, version: str | None = None) -> Pipeline | None:
+        """The model's pipeline, ready or not: the version asked for, else the one its name reaches; None for a
+        name or version not served."""
+        self._sync()
+        if not version:
+            return self._latest.get(name)
+        return next((p for p in self.pipelines.values() if p.name == name and str(p.entry.version) == version),
+                    None)
 
-    def get(self, name: str | None, task: str | None = None) -> Pipeline:
-        """The named (or default) model, ready to serve: NotFound for an unknown name, Unavailable while it warms
-        up or after it failed, BadInput when it is not a model for `task`."""
+    def keyed(self, key: str) -> Pipeline | None:
+        """The pipeline of one model version, by its key (as attention records name it)."""
+        self._sync()
+        return self.pipelines.get(key)
+
+    def _sync(self) -> None:
+        if self._generation != self.backend.generation:  # loaded, reloaded or unloaded since: rare
+            self.served()
+
+    def get(self, name: str | None, task: str | None = None, version: str | None = None) -> Pipeline:
+        """The named (or default) model, ready to serve (the version asked for, else the one its name reaches):
+        NotFound for an unknown name or version, Unavailable while it warms up or after it failed, BadInput when
+        it is not a model for `task`."""
         if name is None and task == "expression":
-            name = next((n for n, p in self.pipelines.items() if p.entry.task == "expression"), None)
+            self._sync()
+            name = next((p.name for p in self._latest.values() if p.entry.task == "expression"), None)
             if name is None:
                 raise NotFound("the repository has no expression model (task: expression)", "model_not_found")
         name = name or self.default_model
-        pipeline = self.find(name)
+        pipeline = self.find(name, version)
         if pipeline is None:
-            raise NotFound(f"no model named {name!r}; models: {', '.join(self.pipelines)}", "model_not_found")
-        status = self.backend.status()[name]
+            raise NotFound(f"no model named {name!r}" + (f" of version {version}" if version else "") +
+                           f"; models: {', '.join(sorted(self._latest))}", "model_not_found")
+        status = self.backend.status()[pipeline.key]
         if status.error:
             raise Unavailable(f"{name} failed to load: {status.error}", "model_unavailable")
         if not status.ready:

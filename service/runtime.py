@@ -86,9 +86,9 @@ def choose_device(entries: list[ModelEntry], providers: list[str] | None) -> str
 
 @dataclass(frozen=True)
 class Plan:
-    """How one model name is served: the entry whose graph runs, its precision and provider, or why not."""
-    name: str
-    graph: str  # the name of the entry whose model.onnx runs (itself, or its fp16 sibling on CUDA)
+    """How one model (version) is served: the entry whose graph runs, its precision and provider, or why not."""
+    name: str  # the entry's key
+    graph: str  # the key of the entry whose model.onnx runs (itself, or its fp16 sibling on CUDA)
     precision: str
     providers: tuple[str, ...]
     error: str | None = None
@@ -100,19 +100,20 @@ class Plan:
 
 def serving_plan(entries: list[ModelEntry], device: str, providers: list[str] | None = None) -> dict[str, Plan]:
     """Which graph, precision and provider serve each model on `device` (pure: the decision is testable)."""
-    by_name = {e.name: e for e in entries}
+    by_key = {e.key: e for e in entries}
     plans = {}
     for entry in entries:
+        key = entry.key
         meant = providers or entry.manifest.get("providers") or [CUDA, CPU]
         on_device = tuple(p for p in meant if p in (device, CPU)) or (CPU,)
-        sibling = by_name.get(f"{entry.name}-fp16")
+        sibling = by_key.get(f"{key}-fp16")
         if entry.precision == "fp16" and device != CUDA:
-            plans[entry.name] = Plan(entry.name, entry.name, "fp16", on_device,
-                                     "fp16 graphs are served on CUDA only, and CUDA is not usable here")
+            plans[key] = Plan(key, key, "fp16", on_device, "fp16 graphs are served on CUDA only, and CUDA is not "
+                                                          "usable here")
         elif sibling is not None and device == CUDA and entry.precision == "fp32":
-            plans[entry.name] = Plan(entry.name, sibling.name, "fp16", (CUDA, CPU))
+            plans[key] = Plan(key, sibling.key, "fp16", (CUDA, CPU))
         else:
-            plans[entry.name] = Plan(entry.name, entry.name, entry.precision, on_device)
+            plans[key] = Plan(key, key, entry.precision, on_device)
     return plans
 
 

@@ -58,7 +58,7 @@ class Misbehaving:
 
     def __init__(self, behaviour: str):
         self.entries, self.problems = servable(REPO)
-        self.behaviour = behaviour
+        self.behaviour, self.generation = behaviour, 0
 
     async def start(self) -> None:
         pass
@@ -68,12 +68,12 @@ class Misbehaving:
 
     def status(self) -> dict[str, ModelStatus]:
         ready = self.behaviour != "loading"
-        return {e.name: ModelStatus(ready=ready, provider="CPUExecutionProvider" if ready else None)
+        return {e.key: ModelStatus(ready=ready, provider="CPUExecutionProvider" if ready else None)
                 for e in self.entries}
 
     @contextmanager
     def records(self, model: str, kind: str, n: int):
-        yield np.zeros(n, record_dtype(next(e for e in self.entries if e.name == model), kind))
+        yield np.zeros(n, record_dtype(next(e for e in self.entries if e.key == model), kind))
 
     @contextmanager
     def preparing(self, model: str):

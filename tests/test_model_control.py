@@ -17,10 +17,10 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
-from service_process import ROOT, direct_probabilities, metric, photo_bytes, running_service
+from service_process import ROOT, direct_probabilities, metric, model_pixels, photo_bytes, running_service
 from tritonclient.utils import InferenceServerException
 
-from repository import find_entry, scan
+from repository import find_entries, scan
 
 REPO = ROOT / "model_repository"
 JPEG = photo_bytes("chelsea", "JPEG")
@@ -125,7 +125,8 @@ def test_version_2_replaces_version_1_under_32_clients_with_no_request_lost_and_
         write_model(tmp_path / "shapes-vit" / "3", REPO / "shapes-vit-int8", "shapes-vit", version=3)
         (tmp_path / "shapes-vit" / "3" / "model.onnx").write_bytes(b"not a graph")
         broken = httpx.post(f"{url}/v2/repository/models/shapes-vit/load", timeout=120)
-        assert broken.status_code == 400 and "shapes-vit/3: model.onnx does not match the sha256" in broken.json()["error"]
+        assert broken.status_code == 400
+        assert "shapes-vit/3: model.onnx does not match the sha256" in broken.json()["error"]
         with httpx.Client(timeout=60) as session:
             assert which(probabilities(classify(session, url))) == 2
         row = index(url)["shapes-vit"]
@@ -170,7 +171,7 @@ def test_unload_answers_what_it_accepted_then_404_and_a_load_brings_it_back(repo
         # a new graph whose outputs differ cannot take over the records of requests under way
         write_model(repository / "shapes-vit", REPO / "shapes-deit", "shapes-vit")
         changed = c.post(f"{url}/v2/repository/models/shapes-vit/load")
-        assert changed.status_code == 400 and "changes its input size or outputs" in changed.json()["error"]
+        assert changed.status_code == 400 and "export it as a new version" in changed.json()["error"]
         assert which(probabilities(classify(c, url))) == 1
 
 
@@ -207,8 +208,54 @@ def test_polling_applies_a_new_export_a_new_model_and_a_removed_one(repository, 
 def test_a_model_folder_serves_its_latest_version_and_a_broken_one_is_named(tmp_path):
     write_model(tmp_path / "shapes-vit" / "1", REPO / "shapes-vit", "shapes-vit", version=1)
     write_model(tmp_path / "shapes-vit" / "2", REPO / "shapes-vit-int8", "shapes-vit", version=2)
-    (entry,), problems = scan(tmp_path)
-    assert entry.version == 2 and entry.folder == tmp_path / "shapes-vit" / "2" and problems == {}
-    assert find_entry(tmp_path, "shapes-vit").version == 2
+    (entry,), problems = scan(tmp_path)  # no policy.json: the latest
+    assert (entry.version, entry.key, entry.folder) == (2, "shapes-vit@2", tmp_path / "shapes-vit" / "2")
+    assert problems == {} and [e.version for e in find_entries(tmp_path, "shapes-vit")] == [2]
+    for policy, served in (({"all": True}, [1, 2]), ({"latest": 5}, [1, 2]), ({"specific": [1, 7]}, [1])):
+        (tmp_path / "shapes-vit" / "policy.json").write_text(json.dumps(policy))
+        assert [e.version for e in scan(tmp_path)[0]] == served
+    (tmp_path / "shapes-vit" / "policy.json").write_text('{"newest": 1}')
+    assert "policy.json must be" in scan(tmp_path)[1]["shapes-vit"]
+    (tmp_path / "shapes-vit" / "policy.json").unlink()
     write_model(tmp_path / "shapes-vit" / "10", REPO / "shapes-vit-int8", "shapes-vit", version=9)
     assert scan(tmp_path) == ([], {"shapes-vit/10": "shapes-vit/10: its manifest says version 9"})
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_versions_serve_side_by_side_by_policy_and_a_new_version_may_change_the_layout(tmp_path, backend):
+    """policy {"all": true}: versions 1 and 2 both answer, each on its own route, the name reaching the latest;
+    then version 3, another architecture with other outputs, takes over the name under load, no request lost."""
+    write_model(tmp_path / "shapes-vit" / "1", REPO / "shapes-vit", "shapes-vit", version=1)
+    write_model(tmp_path / "shapes-vit" / "2", REPO / "shapes-vit-int8", "shapes-vit", version=2)
+    (tmp_path / "shapes-vit" / "policy.json").write_text('{"all": true}')
+    with running_service(model_repository=tmp_path, model_control="explicit", backend=backend,
+                         **({"workers": 2} if backend == "process" else {})) as url, httpx.Client(timeout=60) as c:
+        pixels = model_pixels(REPO / "shapes-vit", JPEG)[None]
+        for version, want in (("1", V1), ("2", V2)):
+            body = {"inputs": [{"name": "images", "shape": list(pixels.shape), "datatype": "UINT8",
+                                "data": pixels.ravel().tolist()}]}
+            r = c.post(f"{url}/v2/models/shapes-vit/versions/{version}/infer", json=body)
+            logits = np.array(r.json()["outputs"][0]["data"], np.float64)
+            assert r.json()["model_version"] == version
+            np.testing.assert_allclose(np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum(), want,
+                                       atol=1e-5)
+        assert which(probabilities(classify(c, url))) == 2  # the name reaches the latest
+        assert sorted((m["name"], m["version"]) for m in c.get(f"{url}/models").json()["models"]
+                      if m["name"] == "shapes-vit") == [("shapes-vit", 1), ("shapes-vit", 2)]
+        with hammering(url, 16) as (answers, failures):
+            time.sleep(1.0)
+            write_model(tmp_path / "shapes-vit" / "3", REPO / "shapes-deit", "shapes-vit", version=3)
+            (tmp_path / "shapes-vit" / "policy.json").write_text('{"latest": 1}')
+            loaded = c.post(f"{url}/v2/repository/models/shapes-vit/load", timeout=120)
+            switched = time.monotonic()
+            time.sleep(1.0)
+        assert loaded.status_code == 200, loaded.text
+        assert not failures and {status for _, status, _ in answers} == {200}
+        # DeiT's answers are neither version's: after the switch, every answer is version 3's
+        assert all(version == 0 for sent, _, version in answers if sent > switched)
+        deit = direct_probabilities(REPO / "shapes-deit", JPEG)
+        np.testing.assert_allclose(probabilities(classify(c, url)), deit, atol=1e-5)
+        assert {(row["name"], row["version"]): row["state"] for row in httpx.post(
+            f"{url}/v2/repository/index").json() if row["name"] == "shapes-vit"} == {
+            ("shapes-vit", "1"): "UNAVAILABLE", ("shapes-vit", "2"): "UNAVAILABLE", ("shapes-vit", "3"): "READY"}
+        assert c.get(f"{url}/v2/models/shapes-vit/versions/2/ready").status_code == 404

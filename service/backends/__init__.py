@@ -39,7 +39,11 @@ class ModelStatus:
 
 
 class Backend(Protocol):
-    entries: list[ModelEntry]  # the servable models, by name order (known once `start` returned)
+    """The serving calls name a model version by its key (ModelEntry.key: NAME, or NAME@VERSION); load, unload
+    and index speak of model names."""
+
+    entries: list[ModelEntry]  # the model versions served, each by its key (known once `start` returned)
+    generation: int  # counts status changes: what serves which name may have changed
     problems: dict[str, str]  # repository folders that cannot be served, with why
 
     async def start(self) -> None:
@@ -68,15 +72,15 @@ class Backend(Protocol):
         """Every layer's attention probabilities for one uint8 [H, W, 3] input (the explain graph)."""
 
     async def load(self, model: str) -> None:
-        """(Re)load a model from its repository folder beside what serves it now, then switch to it: requests
-        already queued or running finish on the old session. A failure leaves the old one serving and says why
-        (RepositoryError's message, as BadInput)."""
+        """(Re)load the versions of a model that its folder's policy serves, beside what serves it now, then switch
+        to them: requests already queued or running finish on the old sessions. A failure leaves what served
+        serving and says why (RepositoryError's message, as BadInput)."""
 
     async def unload(self, model: str) -> None:
-        """Stop serving a model once the requests it has accepted are answered; later ones get NotFound."""
+        """Stop serving a model's versions once the requests they accepted are answered; later ones: NotFound."""
 
     async def index(self) -> list[dict]:
-        """Every model of the repository with its state (READY, LOADING, UNAVAILABLE) and the reason."""
+        """Every model version of the repository with its state (READY, LOADING, UNAVAILABLE) and the reason."""
 
     async def keep(self, key: str, record: AttentionRecord) -> bool:
         """Store an attention result for GET /attention-map; False if it does not fit."""

@@ -21,7 +21,7 @@ from functools import partial
 
 import numpy as np
 
-from repository import ModelEntry, RepositoryError, find_entry, model_manifests, servable, verify_file
+from repository import ModelEntry, RepositoryError, find_entries, model_manifests, servable, verify_file
 
 from ..batching import Batcher, QueueFull
 from ..cache import AttentionCache, AttentionRecord
@@ -43,9 +43,9 @@ class LocalBackend:
         for name, problem in self.problems.items():
             log.error("not serving %s: %s", name, problem)
         self.entries: list[ModelEntry] = entries
-        self.by_name = {e.name: e for e in entries}
+        self.by_key = {e.key: e for e in entries}  # a model version's key: NAME or NAME@VERSION
         self.plans: dict[str, Plan] = {}
-        self._status = {e.name: ModelStatus() for e in entries}
+        self._status = {e.key: ModelStatus() for e in entries}
         self.runners: dict[str, Runner] = {}  # by graph
         self.batchers: dict[str, Batcher] = {}  # by graph
         self._explainers: dict[str, Runner] = {}  # by graph, opened on first use
@@ -62,6 +62,7 @@ class LocalBackend:
         self._info_labels: dict[str, tuple[str, ...]] = {}
         self.max_models: int | None = None  # under the process backend, the workers' boards have this many slots
         self._lifecycle = asyncio.Lock()  # one load or unload at a time
+        self.generation = 0  # counts status changes
         self._polling: asyncio.Task | None = None
 
     # -- start-up ------------------------------------------------------------------------------------
@@ -92,16 +93,16 @@ class LocalBackend:
         for graph, plan in graphs.items():
             start = time.perf_counter()
             try:
-                self.runners[graph] = await loop.run_in_executor(self.inference, self._open, self.by_name[graph], plan)
+                self.runners[graph] = await loop.run_in_executor(self.inference, self._open, self.by_key[graph], plan)
             except Exception as e:  # one broken model must not keep the others from serving
                 for name in names[graph]:
                     self._fail(name, str(e))
             else:
-                self.metrics.load_seconds.labels(graph).observe(time.perf_counter() - start)
+                self.metrics.load_seconds.labels(self.by_key[graph].name).observe(time.perf_counter() - start)
         for graph, runner in self.runners.items():
             if runner.provider == CUDA and self.settings.gpu_decode:
                 from ..gpu_decode import gpu_decoder  # CuPy and nvImageCodec stay unimported on a CPU host
-                if (decoder := await loop.run_in_executor(self.inference, gpu_decoder, self.by_name[graph].policy)):
+                if (decoder := await loop.run_in_executor(self.inference, gpu_decoder, self.by_key[graph].policy)):
                     self.use_jpeg_decoder(graph, decoder)
             self._start_batcher(graph)
             for name in names[graph]:
@@ -111,7 +112,7 @@ class LocalBackend:
         self.batchers[graph] = Batcher(
             graph, self._run_batch(graph), self.inference, self.metrics, self.settings.max_batch_size,
             self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency)
-        models = [i for i, e in enumerate(self.entries) if self.plans[e.name].graph == graph]
+        models = [i for i, e in enumerate(self.entries) if self.plans[e.key].graph == graph]
         self.batchers[graph].elsewhere = partial(self._preparing_elsewhere, models)
         self.batchers[graph].start()
 
@@ -126,7 +127,7 @@ class LocalBackend:
             images[:] = 0
             for _ in range(self.settings.warmup_runs):
                 runner.run(images, no_tensors)
-        log.debug("%s warmed up in %.2fs", entry.name, time.perf_counter() - start)
+        log.debug("%s warmed up in %.2fs", entry.key, time.perf_counter() - start)
         return runner
 
     def use_jpeg_decoder(self, graph: str, decoder) -> None:
@@ -136,18 +137,22 @@ class LocalBackend:
         for name, plan in self.plans.items():
             if plan.graph == graph and self._status[name].ready:
                 self._status[name].decode = "gpu"
-        self.on_status()
+        self._changed()
 
     def _ready(self, name: str, provider: str, loads: int = 1) -> None:
-        plan, entry = self.plans[name], self.by_name[name]
+        plan, entry = self.plans[name], self.by_key[name]
         decode_on = "gpu" if plan.graph in self.jpeg_decoders else "cpu"
         self._status[name] = ModelStatus(True, None, provider, plan.precision, plan.graph, decode_on, loads=loads)
         self.metrics.ready.labels(name).set(1)
-        self.metrics.loads.labels(name, "ok").inc()
-        self._info(name, (name, str(entry.version), entry.manifest["architecture"], entry.task, plan.precision,
+        self.metrics.loads.labels(entry.name, "ok").inc()
+        self._info(name, (entry.name, str(entry.version), entry.manifest["architecture"], entry.task, plan.precision,
                           provider))
         log.info("%s ready on %s (%s, %s%s)", name, provider, entry.manifest["architecture"], plan.precision,
                  "" if plan.graph == name else f", the graph of {plan.graph}")
+        self._changed()
+
+    def _changed(self) -> None:
+        self.generation += 1
         self.on_status()
 
     def _info(self, name: str, labels: tuple[str, ...] | None) -> None:
@@ -160,12 +165,12 @@ class LocalBackend:
 
     def _fail(self, name: str, error: str) -> None:
         self._status[name] = ModelStatus(False, error)
-        self.metrics.loads.labels(name, "failed").inc()
+        self.metrics.loads.labels(self.by_key[name].name, "failed").inc()
         log.error("not serving %s: %s", name, error)
-        self.on_status()
+        self._changed()
 
     def _run_batch(self, graph: str):
-        policy = self.by_name[graph].policy  # a reload keeps the records' layout, the input size with it
+        policy = self.by_key[graph].policy  # a reload keeps the records' layout, the input size with it
 
         def run(parts: list[Part], queue_ms: list[float]) -> float:
             runner = self.runners[graph]  # taken per batch: a reload switches it between batches
@@ -184,7 +189,7 @@ class LocalBackend:
     def _decode_jpegs(self, graph: str, parts: list[Part], host_images: np.ndarray):
         """The "jpeg" parts decoded on the GPU, followed by the host images: the batch's images, on the device. A
         JPEG that neither nvImageCodec nor Pillow can read fails its own request only."""
-        decoder, policy = self.jpeg_decoders[graph], self.by_name[graph].policy
+        decoder, policy = self.jpeg_decoders[graph], self.by_key[graph].policy
         jpegs = [data for part in parts for data in part.jpegs]
         owners = [(part, row) for part in parts for row in row_numbers(part.rows)]
         decoded, errors = decoder.decode(jpegs, lambda data: model_input(
@@ -218,7 +223,7 @@ class LocalBackend:
 
     @contextmanager
     def records(self, model: str, kind: str, n: int) -> Iterator[np.ndarray]:
-        yield np.empty(n, record_dtype(self.by_name[model], kind))
+        yield np.empty(n, record_dtype(self.by_key[model], kind))
 
     def preparing(self, model: str):
         batcher = self.batchers.get(self.plans[model].graph) if model in self.plans else None
@@ -249,7 +254,7 @@ class LocalBackend:
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         graph = self.plans[model].graph
-        entry = self.by_name[graph]
+        entry = self.by_key[graph]
         if not entry.has("explain"):
             raise BadInput(f"{model} has no explain graph; use method=last", "rollout_unavailable")
 
@@ -266,117 +271,137 @@ class LocalBackend:
 
     # -- the model lifecycle ----------------------------------------------------------------------------
     async def load(self, model: str) -> None:
+        """Every version of the model that its folder's policy serves: one not serving opens and warms up beside
+        what serves (then new requests go to the latest), one re-exported in place is switched to between
+        batches, and versions the policy no longer names are unloaded once the new ones serve."""
         loop = asyncio.get_running_loop()
         await asyncio.shield(self._loading)  # start-up's loads first
         async with self._lifecycle:
             log.info("%s loading from %s", model, self.settings.model_repository)
             start = time.perf_counter()
             try:
-                entry = await loop.run_in_executor(None, find_entry, self.settings.model_repository, model)
-                plan = self._reload_plan(entry)
-                # off the inference thread: batches go on while the new session opens and warms up
-                runner = await loop.run_in_executor(None, self._open, entry, plan)
+                entries = await loop.run_in_executor(None, find_entries, self.settings.model_repository, model)
+                changed = [e for e in entries if e.key not in self._status or not self._status[e.key].ready
+                           or self.by_key[e.key].manifest != e.manifest]
+                plans = {e.key: self._reload_plan(e) for e in changed}
+                runners = {}
+                for entry in changed:  # off the inference thread: batches go on meanwhile
+                    runners[entry.key] = await loop.run_in_executor(None, self._open, entry, plans[entry.key])
             except (RepositoryError, BadInput, OSError, RuntimeError) as e:  # ORT's load errors are RuntimeErrors
                 raise self._load_failed(model, getattr(e, "message", str(e))) from None
             self.metrics.load_seconds.labels(model).observe(time.perf_counter() - start)
-            old = self.runners.get(plan.graph)
-            self._switch(entry, plan, runner)
-            if old is not None:  # batches that took it finish before it is let go
-                await self.batchers[plan.graph].settled()
-                del old
-                release_memory()
+            replaced = [self.runners.get(plans[e.key].graph) for e in changed]
+            for entry in changed:
+                self._switch(entry, plans[entry.key], runners[entry.key])
+            for entry in changed:  # batches that took a replaced runner finish before it is let go
+                await self.batchers[plans[entry.key].graph].settled()
+            del replaced
+            release_memory()
+            serving = {e.key for e in entries}
+            for key, entry in list(self.by_key.items()):
+                if entry.name == model and key not in serving and not self._status[key].unloaded:
+                    await self._unload(key)
 
     def _reload_plan(self, entry: ModelEntry) -> Plan:
         """What serves the entry once loaded: its own graph. BadInput where it cannot be switched to while serving."""
-        plan = serving_plan([entry], self.device, self.settings.providers)[entry.name]
-        old = self.by_name.get(entry.name)
+        plan = serving_plan([entry], self.device, self.settings.providers)[entry.key]
+        old = self.by_key.get(entry.key)
         if plan.error:
             raise BadInput(plan.error)
         if old is None and self.max_models is not None and len(self.entries) >= self.max_models:
-            raise BadInput(f"{entry.name} would be model number {len(self.entries) + 1}; this server serves at most "
+            raise BadInput(f"{entry.key} would be model number {len(self.entries) + 1}; this server serves at most "
                            f"{self.max_models}")
         if old is not None and any(record_dtype(old, k) != record_dtype(entry, k) for k in KINDS if k != "jpeg"):
-            raise BadInput(f"{entry.name}'s new graph changes its input size or outputs: restart the server to serve "
-                           "it (requests under way hold records of the old layout)")
+            raise BadInput(f"{entry.location}: re-exported in place with another input size or outputs, which the "
+                           "requests under way cannot take: export it as a new version (--version next)")
         return plan
 
     def _load_failed(self, model: str, reason: str) -> BadInput:
         """Recorded for the index (beside what still serves), counted and logged."""
-        if model in self._status:  # what served (if anything) goes on serving
-            self._status[model] = dataclasses.replace(self._status[model], last_failure=reason)
-        else:
+        keys = [key for key, entry in self.by_key.items() if entry.name == model]
+        for key in keys:  # what served (if anything) goes on serving
+            self._status[key] = dataclasses.replace(self._status[key], last_failure=reason)
+        if not keys:
             self.problems[model] = reason
         self.metrics.loads.labels(model, "failed").inc()
-        log.error("%s failed to load: %s%s", model, reason, "; the old graph still serves"
-                  if self._status.get(model, ModelStatus()).ready else "")
-        self.on_status()
+        serving = any(self._status[key].ready for key in keys)
+        log.error("%s failed to load: %s%s", model, reason, "; what served still serves" if serving else "")
+        self._changed()
         return BadInput(f"{model} failed to load: {reason}", "load_failed")
 
     def _switch(self, entry: ModelEntry, plan: Plan, runner: Runner) -> None:
         """Batches that start from now on run the entry's new session."""
-        name, graph = entry.name, plan.graph
+        key, graph = entry.key, plan.graph
         self.runners[graph] = runner
         self._explainers.pop(graph, None)
-        if name in self.by_name:
-            self.entries[self.entries.index(self.by_name[name])] = entry
+        if key in self.by_key:
+            self.entries[self.entries.index(self.by_key[key])] = entry
         else:
             self.entries.append(entry)  # last: the workers' boards keep their order
-        self.by_name[name], self.plans[name] = entry, plan
+        self.by_key[key], self.plans[key] = entry, plan
         model_folder = entry.location.split("/")[0]  # its problems, any version's, are solved
         for where in [w for w in self.problems if w.split("/")[0] == model_folder]:
             del self.problems[where]
         if graph not in self.batchers:
             self._start_batcher(graph)
-        self._ready(name, runner.provider, self._status[name].loads + 1 if name in self._status else 1)
+        self._ready(key, runner.provider, self._status[key].loads + 1 if key in self._status else 1)
 
     async def unload(self, model: str) -> None:
         await asyncio.shield(self._loading)
         async with self._lifecycle:
-            status = self._status.get(model)
-            if status is None or status.unloaded:
+            keys = [key for key, entry in self.by_key.items() if entry.name == model and not self._status[key].unloaded]
+            if not keys:
                 raise NotFound(f"{model} is not being served", "model_not_found")
-            self._status[model] = ModelStatus(unloaded=True, loads=status.loads)
-            self.metrics.ready.labels(model).set(0)
-            self._info(model, None)
-            log.info("%s unloading: answering the requests it accepted", model)
-            self.on_status()
-            graph = self.plans[model].graph
-            if graph in self.batchers and not any(p.graph == graph and self._status[n].ready
-                                                  for n, p in self.plans.items()):
-                await self.batchers[graph].drained()
-                await self.batchers.pop(graph).stop()
-                self.runners.pop(graph, None)
-                self._explainers.pop(graph, None)
-                release_memory()
-            log.info("%s unloaded", model)
+            for key in keys:
+                await self._unload(key)
+
+    async def _unload(self, key: str) -> None:
+        """New requests are turned away at once (NotFound); the session closes once those accepted are answered."""
+        self._status[key] = ModelStatus(unloaded=True, loads=self._status[key].loads)
+        self.metrics.ready.labels(key).set(0)
+        self._info(key, None)
+        log.info("%s unloading: answering the requests it accepted", key)
+        self._changed()
+        graph = self.plans[key].graph
+        if graph in self.batchers and not any(p.graph == graph and self._status[k].ready
+                                              for k, p in self.plans.items()):
+            await self.batchers[graph].drained()
+            await self.batchers.pop(graph).stop()
+            self.runners.pop(graph, None)
+            self._explainers.pop(graph, None)
+            release_memory()
+        log.info("%s unloaded", key)
 
     async def _poll(self) -> None:
-        """VITSERVE_MODEL_CONTROL=poll: every POLL_S seconds, a model whose manifest changed (a new export) is
-        reloaded, a new one loaded, and one whose folder has gone unloaded. Each change is tried once; a failure
-        is in the index and the log."""
+        """VITSERVE_MODEL_CONTROL=poll: every POLL_S seconds, a model whose serving manifests changed (a new
+        export, a new version, a new policy) is loaded again, a new one loaded, and one whose folder has gone
+        unloaded. Each change is tried once; a failure is in the index and the log."""
         await asyncio.shield(self._loading)
-        seen = {e.name: e.manifest for e in self.entries}
+        seen: dict[str, list[dict]] = {}
+        for entry in sorted(self.entries, key=lambda e: e.version):
+            seen.setdefault(entry.name, []).append(entry.manifest)
         while True:
             await asyncio.sleep(self.settings.poll_s)
             found = await asyncio.get_running_loop().run_in_executor(None, model_manifests,
                                                                      self.settings.model_repository)
-            for name, manifest in found.items():
-                if seen.get(name) != manifest:
-                    seen[name] = manifest
+            for name, manifests in found.items():
+                if seen.get(name) != manifests:
+                    seen[name] = manifests
                     with suppress(ServiceError):
                         await self.load(name)
             for name in [name for name in seen if name not in found]:
                 del seen[name]
-                if name in self._status and not self._status[name].unloaded:
+                with suppress(ServiceError):
                     await self.unload(name)
 
     async def index(self) -> list[dict]:
         rows = []
-        for name, s in sorted(self._status.items()):
+        for key, s in sorted(self._status.items()):
             state = "READY" if s.ready else "UNAVAILABLE" if s.error or s.unloaded else "LOADING"
             reason = "; ".join(why for why in (s.error, "unloaded" if s.unloaded else None,
                                                s.last_failure and f"the last load failed: {s.last_failure}") if why)
-            rows.append({"name": name, "version": str(self.by_name[name].version), "state": state, "reason": reason})
+            entry = self.by_key[key]
+            rows.append({"name": entry.name, "version": str(entry.version), "state": state, "reason": reason})
         rows += [{"name": folder, "state": "UNAVAILABLE", "reason": why} for folder, why in self.problems.items()
                  if folder not in self._status]
         return rows

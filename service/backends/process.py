@@ -90,6 +90,7 @@ class ProcessBackend:
         self._pending: dict[int, asyncio.Future] = {}  # other questions, by id
         self._ids = iter(range(1, 2**62))
         self._tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this worker's shared memory
+        self.generation = 0  # counts status changes
         self._board: np.ndarray | None = None  # requests on their way, per model (entries' order): _tell
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
@@ -121,8 +122,9 @@ class ProcessBackend:
         its outbox counts in the next board slot) and their status."""
         self.entries = [ModelEntry(Path(e["folder"]), e["manifest"]) for e in message["entries"]]
         for i, entry in enumerate(self.entries):
-            self._outboxes.setdefault(entry.name, _Outbox(entry.name, i))
+            self._outboxes.setdefault(entry.key, _Outbox(entry.key, i))
         self._status = {name: ModelStatus(**s) for name, s in message["status"].items()}
+        self.generation += 1
         if all(s.settled for s in self._status.values()):
             self._loaded.set()
 
@@ -200,7 +202,7 @@ class ProcessBackend:
 
     def _arena(self, model: str, kind: str) -> Arena:
         if (model, kind) not in self._arenas:
-            entry = next(e for e in self.entries if e.name == model)
+            entry = next(e for e in self.entries if e.key == model)
             # a worker never needs more slots than the whole queue may hold, plus one request being decoded
             slots = self.settings.queue_limit + self.settings.max_files
             path = self.socket_path.parent / f"arena-{self._tag}-{model}-{kind}"

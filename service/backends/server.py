@@ -115,7 +115,7 @@ class InferenceServer:
         model, kind = message["model"], message["kind"]
         key = message["arena"]
         if key not in arenas:
-            dtype = record_dtype(self.backend.by_name[model], kind)
+            dtype = record_dtype(self.backend.by_key[model], kind)
             path = self.socket_path.parent / key
             arenas[key] = map_records(path, dtype, path.stat().st_size // dtype.itemsize)
         starts, counts = arrays["start"], arrays["count"]

@@ -48,7 +48,7 @@ async def render(pipeline: Pipeline, record: AttentionRecord, options: MapOption
     attention, policy = pipeline.entry.manifest["attention"], pipeline.policy
     if options.method == "rollout":
         maps.check_rollout(attention)  # before running the explain graph
-        layers = await pipeline.backend.explain(pipeline.name, record.image)
+        layers = await pipeline.backend.explain(pipeline.key, record.image)
         grid = maps.rollout_grid(layers, attention, options.token, options.head)
     else:
         grid = maps.last_layer_grid(record.attention, attention, options.token, options.head)
@@ -88,7 +88,7 @@ async def attention_map(request: Request, id: str = Query(..., description="an i
         raise NotFound(f"no attention result with id {id!r}: it expired (results are kept {ttl:g}s, and the least "
                        "recently used go first when the cache is full) or never existed; classify with "
                        "attention=true", "attention_not_found")
-    pipeline = pipelines.find(record.model)
+    pipeline = pipelines.keyed(record.model)
     if pipeline is None:
         raise NotFound(f"the attention result {id!r} expired with its model: {record.model} was unloaded",
                        "attention_not_found")

@@ -122,7 +122,7 @@ def build_response(pipeline: Pipeline, header: InferenceRequest, fields: dict[st
         else:
             tensor["data"] = json_numbers(value)
         tensors.append(tensor)
-    body = {"model_name": pipeline.name, "model_version": "1", "outputs": tensors}
+    body = {"model_name": pipeline.name, "model_version": str(pipeline.entry.version), "outputs": tensors}
     if header.id is not None:
         body["id"] = header.id
     encoded = json.dumps(body).encode()
@@ -161,8 +161,7 @@ async def infer(request: Request, name: str) -> Response:
 
 @router.post("/models/{name}/versions/{version_}/infer", **INFER)
 async def infer_version(request: Request, name: str, version_: str | None) -> Response:
-    _model(request, name, version_)
-    pipeline = _pipelines(request).get(name)
+    pipeline = _pipelines(request).get(name, version=version_)
     header, batch = parse_request(await request.body(), request.headers.get(HEADER_LENGTH), pipeline)
     out = await pipeline.tensors(batch)
     return build_response(pipeline, header, out.fields)
@@ -208,7 +207,7 @@ async def model_ready(request: Request, name: str) -> dict:
 
 @router.get("/models/{name}/versions/{version_}/ready", **READY)
 async def model_ready_version(request: Request, name: str, version_: str | None) -> dict:
-    status = _pipelines(request).backend.status()[_model(request, name, version_).name]
+    status = _pipelines(request).backend.status()[_model(request, name, version_).key]
     if not status.ready:
         raise BadInput(f"{name} is not ready" + (f": {status.error}" if status.error else ""), "not_ready")
     return {"name": name, "ready": True}
