@@ -9,7 +9,8 @@ ModelStreamInfer, Triton's bidirectional stream (tritonclient.grpc's start_strea
 stream as ModelInfer would, in the order they finish.
 Errors are status codes, as Triton's: INVALID_ARGUMENT for a bad tensor, NOT_FOUND for an unknown model,
 UNAVAILABLE (trailing metadata `retry-after`, seconds) when overloaded or loading, RESOURCE_EXHAUSTED for more
-images than a queue holds, UNAUTHENTICATED without the API key (metadata `x-api-key`) where one is set.
+images than a queue holds, UNAUTHENTICATED without the API key (metadata `x-api-key`) where one is set,
+PERMISSION_DENIED for a load or unload without VITSERVE_MODEL_CONTROL=explicit.
 """
 import asyncio
 import functools
@@ -21,9 +22,10 @@ from importlib.metadata import version
 import grpc
 import numpy as np
 
-from .errors import BadInput, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
+from .errors import BadInput, Forbidden, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
 from .metrics import Metrics
-from .open_inference import find_model, input_batch, input_dtype, model_metadata, model_outputs
+from .open_inference import (check_load_parameters, find_model, input_batch, input_dtype, model_metadata,
+                             model_outputs, repository_index, require_model_control)
 from .pipeline import Pipelines
 from .protocol import open_inference_pb2 as pb
 from .settings import Settings
@@ -37,7 +39,8 @@ class Unauthenticated(ServiceError):
 
 STATUS = {BadInput: grpc.StatusCode.INVALID_ARGUMENT, UnsupportedMedia: grpc.StatusCode.INVALID_ARGUMENT,
           NotFound: grpc.StatusCode.NOT_FOUND, TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
-          Unavailable: grpc.StatusCode.UNAVAILABLE, Unauthenticated: grpc.StatusCode.UNAUTHENTICATED}
+          Unavailable: grpc.StatusCode.UNAVAILABLE, Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+          Forbidden: grpc.StatusCode.PERMISSION_DENIED}
 SERVICE = "inference.GRPCInferenceService"
 RPCS = {  # each method's request and response messages
     "ServerLive": (pb.ServerLiveRequest, pb.ServerLiveResponse),
@@ -46,6 +49,9 @@ RPCS = {  # each method's request and response messages
     "ModelReady": (pb.ModelReadyRequest, pb.ModelReadyResponse),
     "ModelMetadata": (pb.ModelMetadataRequest, pb.ModelMetadataResponse),
     "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse),
+    "RepositoryIndex": (pb.RepositoryIndexRequest, pb.RepositoryIndexResponse),
+    "RepositoryModelLoad": (pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse),
+    "RepositoryModelUnload": (pb.RepositoryModelUnloadRequest, pb.RepositoryModelUnloadResponse),
 }
 OPEN = {"ServerLive", "ServerReady", "ServerMetadata"}  # as /v2 and the health routes: no key asked
 
@@ -115,7 +121,7 @@ class InferenceService:
 
     @rpc
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="vitserve", version=version("vitserve"), extensions=[])
+        return pb.ServerMetadataResponse(name="vitserve", version=version("vitserve"), extensions=["model_repository"])
 
     @rpc
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
@@ -133,6 +139,26 @@ class InferenceService:
     @rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         return await self.infer(request)
+
+    @rpc
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context) -> pb.RepositoryIndexResponse:
+        rows = await repository_index(self.pipelines, request.ready)
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**row) for row in rows])
+
+    @rpc
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest, context
+                                  ) -> pb.RepositoryModelLoadResponse:
+        require_model_control(self.pipelines)
+        check_load_parameters(request.parameters)
+        await self.pipelines.backend.load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @rpc
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest, context
+                                    ) -> pb.RepositoryModelUnloadResponse:
+        require_model_control(self.pipelines)
+        await self.pipelines.backend.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
 
     async def ModelStreamInfer(self, requests, context: grpc.aio.ServicerContext):
         """Triton's stream: every request answered as ModelInfer answers it, in the order they finish (a response

@@ -1,6 +1,7 @@
 """The Open Inference Protocol (KServe v2) apart from its transport: which model a request names, the model's
-metadata, and a request's one input batch checked against it. The REST routes (routers/kserve.py) and the gRPC
-service (grpc_server.py) speak it over the same pipelines.
+metadata, a request's one input batch checked against it, and the model repository extension. The REST routes
+(routers/kserve.py, routers/repository.py) and the gRPC service (grpc_server.py) speak it over the same
+pipelines.
 
 One input per request, either of the graph's two:
   pixel_values  FP32 [B, 3, H, W], already normalised, (x / 255 - mean) / std;
@@ -11,7 +12,7 @@ from functools import cache
 
 import numpy as np
 
-from .errors import BadInput, NotFound
+from .errors import BadInput, Forbidden, NotFound
 from .pipeline import Pipeline, Pipelines
 from .records import output_names
 
@@ -70,3 +71,23 @@ def model_outputs(pipeline: Pipeline, fields: dict[str, np.ndarray], asked: list
     if unknown:
         raise BadInput(f"no output {unknown[0]!r}; outputs: {', '.join(names)}")
     return {name: np.ascontiguousarray(fields[name], dtype="<f4") for name in asked or names}
+
+
+async def repository_index(pipelines: Pipelines, ready_only: bool) -> list[dict]:
+    """The repository extension's index: a row per model version, {name, version, state, reason}."""
+    rows = await pipelines.backend.index()
+    return [row for row in rows if row["state"] == "READY" or not ready_only]
+
+
+def require_model_control(pipelines: Pipelines) -> None:
+    """Load and unload answer only with VITSERVE_MODEL_CONTROL=explicit."""
+    if pipelines.settings.model_control != "explicit":
+        raise Forbidden(f"models are loaded and unloaded by request only with VITSERVE_MODEL_CONTROL=explicit (this "
+                        f"server: {pipelines.settings.model_control})", "model_control_off")
+
+
+def check_load_parameters(names) -> None:
+    """A load request's parameters: a model loads from its folder, not from a config or files sent along."""
+    if set(names) - {"unload_dependents"}:
+        raise BadInput("a model loads from its repository folder: a config or files in the request are not "
+                       "supported (write them with python -m export)", "unsupported_parameters")

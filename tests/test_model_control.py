@@ -16,8 +16,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
-from service_process import ROOT, direct_probabilities, metric, model_pixels, photo_bytes, running_service
+from service_process import (ROOT, direct_probabilities, free_port, metric, model_pixels, photo_bytes,
+                             running_service)
 from tritonclient.utils import InferenceServerException
 
 from repository import find_entries, scan
@@ -176,12 +178,37 @@ def test_unload_answers_what_it_accepted_then_404_and_a_load_brings_it_back(repo
 
 
 def test_without_explicit_model_control_load_and_unload_are_refused_and_the_index_answers(repository):
-    with running_service(model_repository=repository) as url:
+    port = free_port()
+    with running_service(model_repository=repository, grpc_port=port) as url:
         for action in ("load", "unload"):
             r = httpx.post(f"{url}/v2/repository/models/shapes-vit/{action}")
             assert r.status_code == 403 and "VITSERVE_MODEL_CONTROL=explicit" in r.json()["error"]
         assert index(url)["shapes-vit"]["state"] == "READY"
         assert "model_repository" in httpx.get(f"{url}/v2").json()["extensions"]
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{port}")
+        with pytest.raises(InferenceServerException, match="VITSERVE_MODEL_CONTROL=explicit") as refused:
+            client.unload_model("shapes-vit")
+        assert refused.value.status() == "StatusCode.PERMISSION_DENIED"
+
+
+def test_the_repository_extension_over_grpc_as_tritonclient_speaks_it(repository):
+    port = free_port()
+    with running_service(model_repository=repository, model_control="explicit", grpc_port=port) as url, \
+            httpx.Client(timeout=60) as c:
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{port}")
+        rows = client.get_model_repository_index(as_json=True)["models"]
+        assert {(row["name"], row["version"], row["state"]) for row in rows} == {
+            ("shapes-deit", "1", "READY"), ("shapes-vit", "1", "READY")}
+        client.unload_model("shapes-vit")
+        assert classify(c, url).status_code == 404
+        with pytest.raises(InferenceServerException, match="no model 'shapes-vit'"):
+            client.is_model_ready("shapes-vit")
+        rows = {row["name"]: row for row in client.get_model_repository_index(as_json=True)["models"]}
+        assert rows["shapes-vit"]["state"] == "UNAVAILABLE" and rows["shapes-vit"]["reason"] == "unloaded"
+        ready = httpx.post(f"{url}/v2/repository/index", json={"ready": True}).json()
+        assert [(row["name"], row["state"]) for row in ready] == [("shapes-deit", "READY")]
+        client.load_model("shapes-vit")
+        assert which(probabilities(classify(c, url))) == 1
 
 
 @pytest.mark.parametrize("backend", ["thread", "process"])

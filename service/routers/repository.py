@@ -9,7 +9,8 @@ import json
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
-from ..errors import BadInput, Forbidden
+from ..errors import BadInput
+from ..open_inference import check_load_parameters, repository_index, require_model_control
 from ..pipeline import Pipelines
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository"])
@@ -34,34 +35,24 @@ async def _json(request: Request) -> dict:
     return parsed
 
 
-def _controlled(request: Request) -> Pipelines:
-    pipelines: Pipelines = request.app.state.pipelines
-    if pipelines.settings.model_control != "explicit":
-        raise Forbidden(f"models are loaded and unloaded by request only with VITSERVE_MODEL_CONTROL=explicit (this "
-                        f"server: {pipelines.settings.model_control})", "model_control_off")
-    return pipelines
-
-
 @router.post("/index", response_model=list[ModelState], summary="The repository's models and their state")
 async def index(request: Request) -> list[dict]:
-    ready_only = (await _json(request)).get("ready") is True
-    rows = await request.app.state.pipelines.backend.index()
-    return [row for row in rows if row["state"] == "READY" or not ready_only]
+    return await repository_index(request.app.state.pipelines, (await _json(request)).get("ready") is True)
 
 
 @router.post("/models/{name}/load", summary="Load or reload a model from its folder, without a request lost")
 async def load(request: Request, name: str) -> dict:
-    pipelines = _controlled(request)
-    if set((await _json(request)).get("parameters") or {}) - {"unload_dependents"}:
-        raise BadInput("a model loads from its repository folder: a config or files in the request are not "
-                       "supported (write them with python -m export)", "unsupported_parameters")
+    pipelines: Pipelines = request.app.state.pipelines
+    require_model_control(pipelines)
+    check_load_parameters((await _json(request)).get("parameters") or {})
     await pipelines.backend.load(name)
     return {}
 
 
 @router.post("/models/{name}/unload", summary="Stop serving a model once the requests it accepted are answered")
 async def unload(request: Request, name: str) -> dict:
-    pipelines = _controlled(request)
+    pipelines: Pipelines = request.app.state.pipelines
+    require_model_control(pipelines)
     await _json(request)  # unload_dependents: a model here has none
     await pipelines.backend.unload(name)
     return {}
