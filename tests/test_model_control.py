@@ -22,7 +22,7 @@ from service_process import (ROOT, direct_probabilities, free_port, metric, mode
                              running_service)
 from tritonclient.utils import InferenceServerException
 
-from repository import find_entries, scan
+from repository import find_entries, scan, sha256
 
 REPO = ROOT / "model_repository"
 JPEG = photo_bytes("chelsea", "JPEG")
@@ -45,6 +45,14 @@ def write_model(folder: Path, source: Path, name: str, **changes) -> None:
         shutil.copyfile(source / file["path"], folder / f".{file['path']}.part")
         (folder / f".{file['path']}.part").rename(folder / file["path"])
     (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def garbled(folder: Path) -> dict:
+    """The folder's manifest with model.onnx's sha256 and size made those of whatever the file now holds."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    graph = folder / "model.onnx"
+    manifest["files"]["model"].update(sha256=sha256(graph), bytes=graph.stat().st_size)
+    return manifest
 
 
 def probabilities(response: httpx.Response) -> np.ndarray:
@@ -133,9 +141,15 @@ def test_version_2_replaces_version_1_under_32_clients_with_no_request_lost_and_
             assert which(probabilities(classify(session, url))) == 2
         row = index(url)["shapes-vit"]
         assert row["state"] == "READY" and row["version"] == "2" and "does not match the sha256" in row["reason"]
+        # a graph ONNX Runtime cannot open, its sha256 right: refused with ONNX Runtime's reason
+        (tmp_path / "shapes-vit" / "3" / "manifest.json").write_text(json.dumps(garbled(tmp_path / "shapes-vit" / "3")))
+        unreadable = httpx.post(f"{url}/v2/repository/models/shapes-vit/load", timeout=120)
+        assert unreadable.status_code == 400 and "protobuf" in unreadable.json()["error"].lower()
+        with httpx.Client(timeout=60) as session:
+            assert which(probabilities(classify(session, url))) == 2
         if backend == "thread":
             assert metric(httpx.get(f"{url}/metrics").text, "vitserve_model_loads_total", model="shapes-vit",
-                          outcome="failed") == 1
+                          outcome="failed") == 2
 
 
 @pytest.mark.parametrize("backend", ["thread", "process"])

@@ -21,7 +21,7 @@ from functools import partial
 
 import numpy as np
 
-from repository import ModelEntry, RepositoryError, find_entries, model_manifests, servable, verify_file
+from repository import ModelEntry, find_entries, model_manifests, servable, verify_file
 
 from ..batching import Batcher, QueueFull
 from ..cache import AttentionCache, AttentionRecord
@@ -287,7 +287,7 @@ class LocalBackend:
                 runners = {}
                 for entry in changed:  # off the inference thread: batches go on meanwhile
                     runners[entry.key] = await loop.run_in_executor(None, self._open, entry, plans[entry.key])
-            except (RepositoryError, BadInput, OSError, RuntimeError) as e:  # ORT's load errors are RuntimeErrors
+            except Exception as e:  # the repository's, the plan's or ONNX Runtime's (its own exception types)
                 raise self._load_failed(model, getattr(e, "message", str(e))) from None
             self.metrics.load_seconds.labels(model).observe(time.perf_counter() - start)
             replaced = [self.runners.get(plans[e.key].graph) for e in changed]
