@@ -24,8 +24,8 @@ import numpy as np
 
 from .errors import BadInput, Forbidden, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
 from .metrics import Metrics
-from .open_inference import (check_load_parameters, find_model, input_batch, input_dtype, model_metadata,
-                             model_outputs, repository_index, require_model_control)
+from .open_inference import (check_load_parameters, find_model, input_batch, input_dtype, model_outputs,
+                             repository_index, require_model_control, served_metadata)
 from .pipeline import Pipelines
 from .protocol import open_inference_pb2 as pb
 from .settings import Settings
@@ -130,7 +130,7 @@ class InferenceService:
 
     @rpc
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
-        metadata = model_metadata(find_model(self.pipelines, request.name, request.version))
+        metadata = served_metadata(self.pipelines, request.name, request.version)
         tensors = {kind: [pb.ModelMetadataResponse.TensorMetadata(**t) for t in metadata[kind]]
                    for kind in ("inputs", "outputs")}
         return pb.ModelMetadataResponse(name=metadata["name"], versions=metadata["versions"],

@@ -27,6 +27,13 @@ def find_model(pipelines: Pipelines, name: str, version: str | None) -> Pipeline
     return pipeline
 
 
+def served_metadata(pipelines: Pipelines, name: str, version: str | None) -> dict:
+    """The metadata route's answer: the model's (the version asked for, else the one its name reaches), with every
+    version of it that serves."""
+    pipeline = find_model(pipelines, name, version)
+    return {**model_metadata(pipeline), "versions": pipelines.versions(pipeline.name)}
+
+
 @cache  # read on every infer request; the same for the pipeline's lifetime
 def model_metadata(pipeline: Pipeline) -> dict:
     """The model's inputs (send one of them) and outputs."""

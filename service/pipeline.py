@@ -264,6 +264,11 @@ class Pipelines:
         return next((p for p in self.pipelines.values() if p.name == name and str(p.entry.version) == version),
                     None)
 
+    def versions(self, name: str) -> list[str]:
+        """Every version of the model that serves or loads, oldest first."""
+        self._sync()
+        return sorted((str(p.entry.version) for p in self.pipelines.values() if p.name == name), key=int)
+
     def keyed(self, key: str) -> Pipeline | None:
         """The pipeline of one model version, by its key (as attention records name it)."""
         self._sync()

@@ -281,6 +281,7 @@ def test_versions_serve_side_by_side_by_policy_and_a_new_version_may_change_the_
             np.testing.assert_allclose(np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum(), want,
                                        atol=1e-5)
         assert which(probabilities(classify(c, url))) == 2  # the name reaches the latest
+        assert c.get(f"{url}/v2/models/shapes-vit").json()["versions"] == ["1", "2"]
         assert sorted((m["name"], m["version"]) for m in c.get(f"{url}/models").json()["models"]
                       if m["name"] == "shapes-vit") == [("shapes-vit", 1), ("shapes-vit", 2)]
         with hammering(url, 16) as (answers, failures):

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from ..errors import BadInput
-from ..open_inference import find_model, input_batch, input_dtype, model_metadata, model_outputs
+from ..open_inference import find_model, input_batch, input_dtype, model_outputs, served_metadata
 from ..pipeline import Pipeline, Pipelines
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
@@ -197,7 +197,7 @@ async def metadata(request: Request, name: str) -> dict:
 
 @router.get("/models/{name}/versions/{version_}", **METADATA)
 async def metadata_version(request: Request, name: str, version_: str | None) -> dict:
-    return model_metadata(_model(request, name, version_))
+    return served_metadata(_pipelines(request), name, version_)
 
 
 @router.get("/models/{name}/ready", **READY)
