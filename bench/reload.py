@@ -27,18 +27,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from service_process import metric, photo_bytes, running_service  # noqa: E402
+from service_process import metric, photo_bytes, running_service, write_model  # noqa: E402
 
 JPEG = photo_bytes("chelsea", "JPEG")
-
-
-def write_model(folder: Path, source: Path, name: str) -> None:
-    """`source`'s graphs into `folder` under the model name `name`, the manifest last."""
-    manifest = {**json.loads((source / "manifest.json").read_text()), "name": name}
-    for file in manifest["files"].values():
-        shutil.copyfile(source / file["path"], folder / f".{file['path']}.part")
-        (folder / f".{file['path']}.part").rename(folder / file["path"])
-    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 def resident_mb(url: str) -> float:

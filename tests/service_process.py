@@ -3,6 +3,7 @@ import io
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -109,6 +110,16 @@ def wait_for(url: str, path: str, proc: subprocess.Popen, timeout: float = 120,
             pass
         time.sleep(0.1)
     raise TimeoutError(f"{url}{path} did not answer 200 within {timeout}s")
+
+
+def write_model(folder: Path, source: Path, name: str, **changes) -> None:
+    """`source`'s graph into `folder` under the model name `name`, the manifest last (as an exporter publishes)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = {**json.loads((source / "manifest.json").read_text()), "name": name, **changes}
+    for file in manifest["files"].values():
+        shutil.copyfile(source / file["path"], folder / f".{file['path']}.part")
+        (folder / f".{file['path']}.part").rename(folder / file["path"])
+    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 def photo_bytes(name: str, fmt: str, **options) -> bytes:

@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
 from service_process import (ROOT, direct_probabilities, free_port, metric, model_pixels, photo_bytes,
-                             running_service)
+                             running_service, write_model)
 from tritonclient.utils import InferenceServerException
 
 from repository import find_entries, scan, sha256
@@ -35,16 +35,6 @@ def repository(tmp_path) -> Path:
     shutil.copytree(REPO / "shapes-vit", tmp_path / "shapes-vit")
     (tmp_path / "shapes-deit").symlink_to(REPO / "shapes-deit")
     return tmp_path
-
-
-def write_model(folder: Path, source: Path, name: str, **changes) -> None:
-    """`source`'s graph into `folder` under the model name `name`, the manifest last (as an exporter publishes)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    manifest = {**json.loads((source / "manifest.json").read_text()), "name": name, **changes}
-    for file in manifest["files"].values():
-        shutil.copyfile(source / file["path"], folder / f".{file['path']}.part")
-        (folder / f".{file['path']}.part").rename(folder / file["path"])
-    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 def garbled(folder: Path) -> dict:

@@ -295,8 +295,9 @@ class LocalBackend:
                 self._switch(entry, plans[entry.key], runners[entry.key])
             for entry in changed:  # batches that took a replaced runner finish before it is let go
                 await self.batchers[plans[entry.key].graph].settled()
-            del replaced
-            release_memory()
+            if any(runner is not None for runner in replaced):
+                del replaced
+                release_memory()
             serving = {e.key for e in entries}
             for key, entry in list(self.by_key.items()):
                 if entry.name == model and key not in serving and not self._status[key].unloaded:
