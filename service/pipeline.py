@@ -281,7 +281,9 @@ class Pipelines:
     def get(self, name: str | None, task: str | None = None, version: str | None = None) -> Pipeline:
         """The named (or default) model, ready to serve (the version asked for, else the one its name reaches):
         NotFound for an unknown name or version, Unavailable while it warms up or after it failed, BadInput when
-        it is not a model for `task`."""
+        it is not a model for `task`. A route asks for it again once the request's body is in, so that no await
+        separates it from the records taken (Backend.preparing, records): a version being unloaded then either
+        is not chosen, or counts the request before its drain finishes."""
         if name is None and task == "expression":
             self._sync()
             name = next((p.name for p in self._latest.values() if p.entry.task == "expression"), None)

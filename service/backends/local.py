@@ -14,7 +14,7 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext, suppress
 from functools import partial
@@ -63,6 +63,9 @@ class LocalBackend:
         self.max_models: int | None = None  # under the process backend, the workers' boards have this many slots
         self._lifecycle = asyncio.Lock()  # one load or unload at a time
         self.generation = 0  # counts status changes
+        # returns once every process that routes requests here has seen status `generation` (the process backend's
+        # workers acknowledge each push; in this process a change is seen at once)
+        self.seen_everywhere: Callable[[int], Awaitable[None]] = _at_once
         self._polling: asyncio.Task | None = None
 
     # -- start-up ------------------------------------------------------------------------------------
@@ -363,6 +366,7 @@ class LocalBackend:
         self._info(key, None)
         log.info("%s unloading: answering the requests it accepted", key)
         self._changed()
+        await self.seen_everywhere(self.generation)  # from then on no request is routed to it: drain what was
         graph = self.plans[key].graph
         if graph in self.batchers and not any(p.graph == graph and self._status[k].ready
                                               for k, p in self.plans.items()):
@@ -412,6 +416,10 @@ class LocalBackend:
 
     async def recall(self, key: str) -> AttentionRecord | None:
         return self.cache.get(key)
+
+
+async def _at_once(generation: int) -> None:
+    pass
 
 
 def release_memory() -> None:

@@ -125,6 +125,8 @@ class ProcessBackend:
             self._outboxes.setdefault(entry.key, _Outbox(entry.key, i))
         self._status = {name: ModelStatus(**s) for name, s in message["status"].items()}
         self.generation += 1
+        # acknowledged: what this worker routes from now on follows this status (an unload waits for it)
+        self._writer.write(wire.pack({"op": "seen", "generation": message["generation"]}))
         if all(s.settled for s in self._status.values()):
             self._loaded.set()
 

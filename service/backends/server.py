@@ -53,19 +53,27 @@ class InferenceServer:
         self.backend = LocalBackend(settings, Metrics(), on_status=self._push_status)
         self.backend.max_models = BOARD_SLOTS
         self._writers: set[asyncio.StreamWriter] = set()
+        self._seen: dict[asyncio.StreamWriter, int] = {}  # the status generation each worker acknowledged
+        self.backend.seen_everywhere = self._seen_everywhere
         self._tasks: set[asyncio.Task] = set()
         self._frames: dict[tuple[asyncio.StreamWriter, int], Frame] = {}  # open frames, by worker and key
 
     def _status_message(self) -> dict:
         """The models, in the order of the workers' boards (a reload's new manifest, a new model last), and their
         status."""
-        return {"op": "status", "status": {k: dataclasses.asdict(v) for k, v in self.backend.status().items()},
+        return {"op": "status", "generation": self.backend.generation,
+                "status": {k: dataclasses.asdict(v) for k, v in self.backend.status().items()},
                 "entries": [{"folder": str(e.folder), "manifest": e.manifest} for e in self.backend.entries]}
 
     def _push_status(self) -> None:
         frame = wire.pack(self._status_message())
         for writer in self._writers:
             writer.write(frame)
+
+    async def _seen_everywhere(self, generation: int) -> None:
+        """Once every connected worker has acknowledged status `generation` (one that has gone needs not)."""
+        while any(self._seen.get(writer, -1) < generation for writer in self._writers):
+            await asyncio.sleep(0.002)
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve the workers until `stop` is set, then finish what they wait for."""
@@ -91,6 +99,8 @@ class InferenceServer:
                 op = message["op"]
                 if op == "run":
                     self._submit(message, arrays, arenas, writer)
+                elif op == "seen":  # this worker routes by that status from now on
+                    self._seen[writer] = message["generation"]
                 elif op == "cancel":
                     self._cancel(writer, message)
                 elif op == "board":
@@ -102,6 +112,7 @@ class InferenceServer:
             pass  # the worker has gone: its queued requests are abandoned
         finally:
             self._writers.discard(writer)
+            self._seen.pop(writer, None)
             if board is not None:
                 self.backend.boards.remove(board)
             for (owner, _), frame in list(self._frames.items()):

@@ -105,8 +105,9 @@ async def attention_map_for_image(
     options: MapOptions = Depends(),
 ) -> Response:
     pipelines: Pipelines = request.app.state.pipelines
-    pipeline = pipelines.get(model)
+    pipelines.get(model)  # an unknown or unready model fails before the body is read
     ((_, data),) = await read_images(request, ("file",), 1)
+    pipeline = pipelines.get(model)  # routed once the body is in (Pipelines.get)
     out = await pipeline.images([data], top_k=1, keep=True)
     record = pipeline.record(out, 0)
     top = predictions(pipeline, out, 1)[0][0]

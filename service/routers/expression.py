@@ -33,9 +33,10 @@ async def expression(
     start = time.perf_counter()
     pipelines: Pipelines = request.app.state.pipelines
     settings = pipelines.settings
-    pipeline = pipelines.get(model, task="expression")
+    pipelines.get(model, task="expression")  # an unknown or unready model fails before the body is read
     ((_, data),) = await read_images(request, ("file",), 1)
     detector = DetectorSettings(settings.face_min_size, max_faces or settings.face_max, settings.face_detect_side)
+    pipeline = pipelines.get(model, task="expression")  # routed once the body is in (Pipelines.get)
     size, found, found_ms, out = await pipeline.faces(data, detect, detector, keep=attention)
     labels, f, faces = pipeline.entry.labels, out.fields, []
     for i, (probs, batch) in enumerate(zip(f.get("probs", []), f.get("batch_size", []))):

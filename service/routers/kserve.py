@@ -161,8 +161,10 @@ async def infer(request: Request, name: str) -> Response:
 
 @router.post("/models/{name}/versions/{version_}/infer", **INFER)
 async def infer_version(request: Request, name: str, version_: str | None) -> Response:
-    pipeline = _pipelines(request).get(name, version=version_)
-    header, batch = parse_request(await request.body(), request.headers.get(HEADER_LENGTH), pipeline)
+    _pipelines(request).get(name, version=version_)  # an unknown or unready model fails before the body is read
+    body = await request.body()
+    pipeline = _pipelines(request).get(name, version=version_)  # routed once the body is in (Pipelines.get)
+    header, batch = parse_request(body, request.headers.get(HEADER_LENGTH), pipeline)
     out = await pipeline.tensors(batch)
     return build_response(pipeline, header, out.fields)
 
