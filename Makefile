@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-slow serve models demo-data demo-weights lock proto clean
+.PHONY: install test test-slow serve models demo-data demo-weights lock proto clean gpu-check
 
 # RUNTIME=cpu (plain onnxruntime) or RUNTIME=gpu (onnxruntime-gpu with CUDA 13, cuDNN 9 and GPU decoding).
 # The two share a module name and break each other, so the other one goes first.
@@ -25,6 +25,13 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# On a GPU host (docs/development.md#the-gpu-check): the service under wrk, the graphs and the CUDA tests, into
+# bench/results/. No venv there and no package index: python3 with the PYTHONPATH that ../shared/gpu/device-setup.sh
+# sets, and the graphs from BENCH_CACHE (exported on the CPU host: python bench/gpu_check.py --export-cache DIR).
+# Its stderr too goes to stdout, so that `make gpu-check | tee LOG` keeps everything.
+gpu-check:
+	$(PYTHON) bench/gpu_check.py 2>&1
 
 # The embedded demo models: synthetic data, then one training run each (about 3 h on 2 CPU cores; the two
 # shape runs without a teacher can run side by side with OMP_NUM_THREADS=1 each).

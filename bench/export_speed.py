@@ -6,7 +6,7 @@
     python bench/export_speed.py --profile 64 --profile-device cuda   # GPU time by kernel of ORT fp32 and fp16
                                                        # (fp16 as exported, and without its ORT fusions; no CPU
                                                        # timing unless --batches are given)
-    python bench/export_speed.py --int8-variants       # also: per-channel and unsigned int8 weights
+    python bench/export_speed.py --int8-variants       # also: 8-bit, per-channel and unsigned int8 weights
     python bench/export_speed.py --conv-patch-embed    # also: the graph with the patch embedding as a Conv
     python bench/export_speed.py --fused               # also: the fp32 graph with the fp16 graph's ORT fusions
     python bench/export_speed.py --against /tmp/base-cache   # also: the fp32 graphs another checkout exported
@@ -34,12 +34,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
-from onnxruntime.quantization import QuantType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from export.fusion import REWRITES, fuse_for_ort  # noqa: E402
 from export.graph import MainGraph, export_form, export_graph, export_program, save_graph  # noqa: E402
-from export.precision import convert_fp16, quantize_int8  # noqa: E402
+from export.precision import INT8_VARIANTS, INT8_WEIGHTS, convert_fp16, quantize_int8  # noqa: E402
 from models import create_model  # noqa: E402
 from repository import graph_inputs  # noqa: E402
 
@@ -51,13 +50,16 @@ def ort_session(path: Path, level: ort.GraphOptimizationLevel = ort.GraphOptimiz
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-# int8 is what `python -m export --precision int8` writes; the others are only timed with --int8-variants
-QUANTIZED = {"int8": {}, "int8-perchannel": {"per_channel": True}, "int8-u8u8": {"weight_type": QuantType.QUInt8}}
+# int8 is what `python -m export --precision int8` writes (7-bit s8 weights per tensor); the other weight formats
+# of export/precision.py's INT8_VARIANTS are only timed with --int8-variants
+QUANTIZED = {"int8": INT8_VARIANTS[INT8_WEIGHTS],
+             **{f"int8-{k}": v for k, v in INT8_VARIANTS.items() if k != INT8_WEIGHTS}}
 LEVELS = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
           "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
 
 
 def graph_path(cache: Path, name: str, precision: str) -> Path:
+    precision = f"int8-{INT8_WEIGHTS}" if precision == "int8" else precision  # a cache from older int8 is not reused
     return cache / f"{name}.uint8-input.{precision}.onnx"  # graphs with the images input (schema 2)
 
 
@@ -100,12 +102,17 @@ def variants(name: str, cache: Path, int8_variants: bool, conv_patch_embed: bool
     return calls, size
 
 
+def fp16_graph_path(cache: Path, name: str, without: tuple[str, ...] = (), batch: int | None = None) -> Path:
+    """Where fp16_graph keeps that graph in `cache`."""
+    left_out = "-unfused" if set(without) == set(REWRITES) else "".join(f"-without-{w}" for w in without)
+    return graph_path(cache, name, "fp16" + left_out.replace(" ", "_") + (f"-static{batch}" if batch else ""))
+
+
 def fp16_graph(cache: Path, name: str, without: tuple[str, ...] = (), batch: int | None = None) -> Path:
     """The fp16 graph as `python -m export --precision fp16` writes it (fused for ORT; its inputs without the
     empty defaults, which change no run), or without some of fuse_for_ort's REWRITES (all of them: "unfused");
     with `batch`, exported for that many images, every shape fixed."""
-    left_out = "-unfused" if set(without) == set(REWRITES) else "".join(f"-without-{w}" for w in without)
-    path = graph_path(cache, name, "fp16" + left_out.replace(" ", "_") + (f"-static{batch}" if batch else ""))
+    path = fp16_graph_path(cache, name, without, batch)
     if not path.exists():
         torch.manual_seed(0)
         model = create_model(name)
@@ -210,7 +217,9 @@ def main() -> None:
                    help="profile fp32 and int8 on the CPU, or fp32 and fp16 on CUDA (GPU kernel times through "
                         "torch.profiler; a session that cannot start on CUDA falls back to the CPU: check the "
                         "provider line)")
-    p.add_argument("--int8-variants", action="store_true", help="also time per-channel and u8u8 int8 graphs")
+    p.add_argument("--int8-variants", action="store_true",
+                   help="also time the other int8 weight formats (export/precision.py INT8_VARIANTS; their "
+                        "agreement on both x86 instruction sets: bench/int8_isa.py)")
     p.add_argument("--conv-patch-embed", action="store_true",
                    help="also time the fp32 graph with its patch embedding as a strided Conv (before the MatMul)")
     p.add_argument("--fused", action="store_true",

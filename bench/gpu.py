@@ -21,12 +21,14 @@ service: `python -m service` (the backend it picks for this host) on the first m
 decode:  Pillow (draft + resize, the service's CPU path) on a thread per core, against nvImageCodec decoding
          batches of 64 on the GPU plus the service's GPU resize, on a 451 x 300 and a 1920 x 1080 JPEG.
 What cannot run here (no CUDA, no timm, no nvImageCodec) is named, not silently left out. Models are exported
-once, random-init, into --cache.
+once, random-init, into --cache; on a host whose torch cannot run the project's export (a GPU host's image), a graph
+missing from --cache stops the run with the command that exports it (docs/development.md#the-gpu-check).
 """
 import argparse
 import io
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -34,7 +36,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 from service_process import running_service  # noqa: E402
 
-from bench.export_speed import fp16_graph  # noqa: E402
+from bench.export_speed import fp16_graph, fp16_graph_path  # noqa: E402
 from export.fusion import REWRITES  # noqa: E402
 from repository import InputPolicy, read_entry  # noqa: E402
 from service.decode import decode, model_input  # noqa: E402
@@ -62,13 +64,42 @@ CUDA_MODELS = ["deit_tiny_patch16_224", "deit_small_patch16_224", "vit_base_patc
 skipped: list[str] = []
 
 
+class MissingGraph(RuntimeError):
+    """A graph the run needs is not in --cache, and this host cannot export it."""
+
+
+@cache
+def cannot_export() -> str | None:
+    """Why this host cannot run the project's export (its torch is not the one requirements.lock pins), or None."""
+    import torch
+    pinned = re.search(r"^torch==(\S+)$", (ROOT / "requirements.lock").read_text(), re.M)
+    have = torch.__version__.split("+")[0]
+    return f"its torch is {have}, the export needs the pinned {pinned[1]}" if pinned and have != pinned[1] else None
+
+
+def exportable(path: Path, how: str) -> None:
+    """MissingGraph where `path` is missing and this host cannot export it: never a failed export half-way."""
+    if not path.exists() and (why := cannot_export()):
+        raise MissingGraph(f"{path} is not in the cache, and this host cannot export it ({why}): {how} on the CPU "
+                           "host and carry the cache here (docs/development.md#the-gpu-check)")
+
+
 def export(cache: Path, model: str, precision: str = "fp32") -> Path:
     """The model's repository folder, exported once (random-init weights: speed does not depend on them)."""
     name = model if precision == "fp32" else f"{model}-{precision}"
+    exportable(cache / name / "manifest.json",
+               f"`python -m export {model} --random-init --no-explain --precision {precision} --out {cache}`")
     if not (cache / name / "manifest.json").exists():
         from export.__main__ import main as export_main
         export_main([model, "--random-init", "--no-explain", "--precision", precision, "--out", str(cache)])
     return cache / name
+
+
+def fp16_variant(cache: Path, model: str, without: tuple[str, ...] = (), batch: int | None = None) -> Path:
+    """bench/export_speed.py's fp16_graph, exported only where this host can."""
+    exportable(fp16_graph_path(cache, model, without, batch), "export it with bench/export_speed.py's fp16_graph "
+               "(`python bench/gpu_check.py --export-cache DIR` writes the unfused one)")
+    return fp16_graph(cache, model, without, batch)
 
 
 def median_rates(calls: dict, batch: int, rounds: int, seconds: float) -> dict[str, float]:
@@ -106,7 +137,7 @@ def ort_on_device(folder: Path, batch: int, graph: Path | None = None, sdpa_kern
 def cuda_graph_on_device(model: str, batch: int, cache: Path):
     """The fp16 graph exported for exactly `batch` images (no shape arithmetic left to run on the CPU), captured
     once as a CUDA graph and replayed; inputs and outputs stay at fixed GPU addresses, as replay needs."""
-    session = ort.InferenceSession(str(fp16_graph(cache, model, batch=batch)),
+    session = ort.InferenceSession(str(fp16_variant(cache, model, batch=batch)),
                                    providers=[(CUDA, {"enable_cuda_graph": "1"})])
     binding = session.io_binding()
     for spec in session.get_inputs():
@@ -213,14 +244,15 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
         for batch in batches:
             if cuda:
                 calls = {"ORT fp32 dev": ort_on_device(fp32, batch), "ORT fp16 dev": ort_on_device(fp16, batch),
-                         "ORT fp16 unfused dev": ort_on_device(fp16, batch, fp16_graph(cache, model, tuple(REWRITES))),
+                         "ORT fp16 unfused dev": ort_on_device(fp16, batch,
+                                                               fp16_variant(cache, model, tuple(REWRITES))),
                          "Runner fp16": runner(fp16, batch, CUDA),
                          "Runner fp16 2 threads": runner_threads(fp16, batch, 1),
                          "Runner fp16 2 threads 2 sessions": runner_threads(fp16, batch, 2),
                          "torch fp16": torch_model(model, batch, True)}
                 if pinned:
                     calls["Runner fp16 pageable"] = runner(fp16, batch, CUDA, pinned=False)
-                calls.update({f"ORT fp16 without {r}": ort_on_device(fp16, batch, fp16_graph(cache, model, (r,)))
+                calls.update({f"ORT fp16 without {r}": ort_on_device(fp16, batch, fp16_variant(cache, model, (r,)))
                               for r in ablate})
                 # each built and run a few times here, where a failure is named, not fatal: torch.compile compiles
                 # at its first call, and ORT captures a CUDA graph only after one or two plain runs
@@ -377,4 +409,7 @@ def gpu_name() -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except MissingGraph as e:
+        sys.exit(f"bench/gpu.py: {e}")

@@ -55,6 +55,7 @@ class Figures:
     p90_ms: float
     p99_ms: float
     errors: int  # connection errors, timeouts and non-2xx answers
+    non_2xx: int | None = None  # of which non-2xx answers (wrk's runs)
 
 
 def classify_request(jpeg: bytes, files: int = 1, path: str = "/classify", query: str = "") -> Request:
@@ -91,7 +92,8 @@ def run(url: str, request: Request, clients: int, seconds: float, threads: int =
         out = json.loads((folder / "out.json").read_text())
     errors = sum(out[k] for k in ("connect", "read", "write", "status", "timeout"))
     per_s = (out["requests"] - out["status"]) / (out["duration_us"] / 1e6)
-    return Figures(per_s, per_s * request.images, out["p50"] / 1e3, out["p90"] / 1e3, out["p99"] / 1e3, errors)
+    return Figures(per_s, per_s * request.images, out["p50"] / 1e3, out["p90"] / 1e3, out["p99"] / 1e3, errors,
+                   out["status"])
 
 
 def grpc_run(target: str, model: str, name: str, x: np.ndarray, clients: int, seconds: float) -> Figures:

@@ -10,9 +10,9 @@ The explain graph outputs every block's full attention probabilities (`attention
 Both take two inputs: `images`, uint8 [B1, H, W, 3] pixels that the graph cuts into patches and normalises with
 the model's mean/std itself, the normalisation folded into the patch embedding's weights (so the host sends a
 quarter of the bytes and does no float work per pixel), and `pixel_values`, float32 [B2, 3, H, W] already
-normalised (for clients that preprocess themselves, the KServe v2 FP32 input). Either may have batch 0, and
-either may be left out: each has an empty batch as its default (`with_empty_defaults`). The outputs hold
-B1 + B2 rows, the images' first.
+normalised (for clients that preprocess themselves, the KServe v2 FP32 input). Both are plain graph inputs,
+which every run feeds (what session.get_inputs() lists, and what IOBinding binds); either may have batch 0. The
+outputs hold B1 + B2 rows, the images' first.
 """
 import collections
 import copy
@@ -20,7 +20,6 @@ import logging
 import warnings
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
@@ -235,19 +234,6 @@ def save_graph(graph: ir.Model, path: Path) -> onnx.ModelProto:
         del node.metadata_props[:]
     onnx.save_model(proto, path)
     return proto
-
-
-def with_empty_defaults(path: Path) -> None:
-    """Give each input of the graph at `path` a default, an empty batch: an initializer of the input's name, which
-    ONNX lets a feed override. Plain ONNX Runtime, or another server, then runs the graph with the one input it
-    has. (ONNX Runtime warns at load that these initializers are no constants: that is what they are for.)"""
-    proto = onnx.load(path)
-    for value in proto.graph.input:
-        tensor = value.type.tensor_type
-        shape = [0, *(d.dim_value for d in tensor.shape.dim[1:])]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
-        proto.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros(shape, dtype), value.name))
-    onnx.save_model(proto, path)
 
 
 def export_graph(module: MainGraph | ExplainGraph, img_size: int, path: Path) -> onnx.ModelProto:

@@ -27,8 +27,7 @@ from repository import versions
 from . import manifest as mf
 from .fusion import fuse_for_ort
 from .graph import (IMAGES, OPSET, TENSOR, ExplainGraph, MainGraph, expected_attention_blocks, export_form,
-                    export_graph, export_program, fused_attention_count, op_counts, save_graph, unfused_attention,
-                    with_empty_defaults)
+                    export_graph, export_program, fused_attention_count, op_counts, save_graph, unfused_attention)
 from .parity import FP32_ABS_TOLERANCE, ParityError, check_fp32, check_reduced, gate_inputs, run_session, run_torch
 from .precision import CONVERTERS
 
@@ -292,8 +291,6 @@ def export_model(args) -> Path:
         if not isinstance(model, SwinTransformer) and not args.no_explain:
             explain_outputs, parity["explain_max_abs_diff"] = _explain_graph(model, work, inputs, log)
             graphs["explain"] = work / "explain.onnx"
-        for path in graphs.values():
-            with_empty_defaults(path)  # either input alone runs it
         files = {kind: mf.file_entry(path) for kind, path in graphs.items()}
         manifest = _manifest(args, name, labels, meta, model, proto, counts, parity, files, explain_outputs)
         if version is not None:

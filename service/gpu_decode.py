@@ -4,8 +4,9 @@ nvImageCodec decodes a batch of JPEGs into device images; each is then resized a
 products whose weights are Pillow's own resampling coefficients (its filters, widened by the scale when
 reducing), so the model sees what the CPU path would give it, give or take the rounding of Pillow's 8-bit
 intermediate and its draft-mode JPEG reduction. Optional: it needs a CUDA device, nvImageCodec and CuPy (the
-gpu extra: `make install RUNTIME=gpu`); where any is missing the service decodes with Pillow, as it does for
-every image nvImageCodec refuses.
+gpu extra: `make install RUNTIME=gpu`); where any is missing or fails to start the service decodes with Pillow,
+as it does for every image nvImageCodec refuses, and says why (a warning, and `decode_reason` in /models). The
+names used here are those of the locked nvImageCodec 0.9 and CuPy 14 (a CPU test resolves each one).
 """
 import io
 import logging
@@ -90,7 +91,7 @@ class GpuDecoder:
         # fancy upsampling: the chroma interpolated as libjpeg-turbo (Pillow) does by default, not repeated
         self.decoder = nvimgcodec.Decoder(device_id=device_id, backends=backends, options=":fancy_upsampling=1")
         self.lock = threading.Lock()  # a Decoder keeps each call's state: the two inference threads take turns
-        self.params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.RGB, apply_exif_orientation=True,
+        self.params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.SRGB, apply_exif_orientation=True,
                                               allow_any_depth=False)
         probe = io.BytesIO()
         Image.new("RGB", (64, 48), (200, 30, 30)).save(probe, format="JPEG")
@@ -136,11 +137,13 @@ class GpuDecoder:
         return joined
 
 
-def gpu_decoder(policy: InputPolicy) -> "GpuDecoder | None":
-    """A GpuDecoder where CUDA, nvImageCodec and CuPy all work, else None."""
+def gpu_decoder(policy: InputPolicy, model: str) -> tuple[GpuDecoder | None, str | None]:
+    """(a GpuDecoder, None) where CUDA, nvImageCodec and CuPy all work, else (None, why not): the exception's type
+    and message, also logged, so that a host serving on CUDA never falls back to the CPU unexplained."""
     try:
-        return GpuDecoder(policy)
-    except Exception as e:  # noqa: BLE001 - any missing piece means: decode on the CPU
-        log.warning("JPEGs are decoded on the CPU: decoding on the GPU needs nvImageCodec and CuPy (the gpu extra) "
-                    "and they are not usable here (%s: %s)", type(e).__name__, e)
-        return None
+        return GpuDecoder(policy), None
+    except Exception as e:  # noqa: BLE001 - any missing or failing piece means: decode on the CPU
+        reason = f"{type(e).__name__}: {e}"
+        log.warning("%s: JPEGs are decoded on the CPU, as GPU decoding (nvImageCodec and CuPy, the gpu extra) did "
+                    "not start: %s", model, reason)
+        return None, reason

@@ -46,8 +46,8 @@ def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: 
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_wait and CUDA not in wanted
                                      else "0")
     options.add_session_config_entry("session.force_spinning_stop", "1")  # stop spinning when a run ends
-    # The session's own warnings show at --log-level debug: at every load each graph warns that its inputs'
-    # defaults (export.graph.with_empty_defaults) are no constants
+    # The session's own warnings show at --log-level debug: graphs exported with input defaults (vitserve of
+    # 2026-11-25/26) warn at every load that those are no constants
     options.log_severity_level = 2 if log.isEnabledFor(logging.DEBUG) else 3
     cuda = {"use_tf32": str(int(tf32))}
     if cuda_graph_dims:
@@ -64,7 +64,8 @@ def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: 
 
 
 def graph_input(session: ort.InferenceSession, name: str) -> ort.NodeArg:
-    """A graph input by name: ONNX Runtime lists one that has a default among the overridable initializers."""
+    """A graph input by name. Graphs exported on 2026-11-25/26 gave each input an empty-batch default, and ONNX
+    Runtime lists such an input among the overridable initializers, not the inputs."""
     return next(i for i in [*session.get_inputs(), *session.get_overridable_initializers()] if i.name == name)
 
 
@@ -192,17 +193,23 @@ class CudaGraph:
 class Runner:
     """One graph's session; `run` takes (uint8 images [B1, H, W, 3], float pixel_values [B2, 3, H, W]) and
     returns every output by name, B1 + B2 rows, the images' first. `inputs`: the two inputs' names. On CUDA,
-    batches of up to `cuda_graph_max_batch` images (and no float pixels) run as CUDA graphs."""
+    batches of up to `cuda_graph_max_batch` images (and no float pixels) run as CUDA graphs.
+
+    On CUDA every run goes through IOBinding (the device path); `iobinding` takes the CPU through it too, so
+    that hosts without a GPU (CI) run everything of that path that ONNX Runtime's CPU provider can."""
 
     def __init__(self, path: Path, inputs: tuple[str, str], providers: list[str], threads: int = 0,
-                 spin_wait: bool = False, tf32: bool = False, cuda_graph_max_batch: int = 0):
+                 spin_wait: bool = False, tf32: bool = False, cuda_graph_max_batch: int = 0,
+                 iobinding: bool = False):
         self.session = open_session(path, providers, threads, spin_wait, tf32)
         self.provider = self.session.get_providers()[0]
+        self.device = "cuda" if self.provider == CUDA else "cpu"
+        self.iobinding = iobinding or self.provider == CUDA
         self.input_names = inputs
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.image_shape = tuple(graph_input(self.session, inputs[0]).shape[1:])
-        self._pinned_empty = pinned_empty() if self.provider == CUDA else None
-        self._host = threading.local()  # each inference thread's page-locked batch buffer
+        self._empty = (pinned_empty() if self.provider == CUDA else None) or np.empty
+        self._host = threading.local()  # each inference thread's batch buffer
         self.graphs: dict[int, CudaGraph] = {}
         if self.provider == CUDA:
             try:
@@ -214,36 +221,38 @@ class Runner:
 
     def host_batch(self, count: int) -> np.ndarray:
         """An uninitialised uint8 [count, H, W, 3] array to gather a batch's images in, valid until this thread's
-        next call. On CUDA it lies in page-locked memory, one buffer per inference thread, reused: the copy to the
-        GPU then reads it at the bus's speed, where from pageable memory it goes through the driver's staging
-        buffer (on an H100 Runner fp16 ran 0.64x the session with its input on the GPU, DeiT-Ti at batch 256)."""
-        if self._pinned_empty is None:
+        next call. On the device path it is one buffer per inference thread, reused, and on CUDA it lies in
+        page-locked memory: the copy to the GPU then reads it at the bus's speed, where from pageable memory it
+        goes through the driver's staging buffer (on an H100 Runner fp16 ran 0.64x the session with its input on
+        the GPU, DeiT-Ti at batch 256)."""
+        if not self.iobinding:
             return np.empty((count, *self.image_shape), np.uint8)
         buffer = getattr(self._host, "images", None)
         if buffer is None or len(buffer) < count:
             # grown in powers of two: CuPy's pinned pool keeps each size it is given back, so few sizes reach it
-            buffer = self._host.images = self._pinned_empty((1 << (count - 1).bit_length(), *self.image_shape),
-                                                            np.uint8)
+            buffer = self._host.images = self._empty((1 << (count - 1).bit_length(), *self.image_shape), np.uint8)
         return buffer[:count]
 
     def run(self, images: np.ndarray, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
         feeds = dict(zip(self.input_names, (images, pixel_values)))
-        if self.provider == CUDA:
-            if graph := self._graph_for(images, pixel_values):
-                return dict(zip(self.output_names, graph.run(images)))
-            # IOBinding: outputs stay on the device until one copy back, no per-run host allocations for them.
-            binding = self.session.io_binding()
-            for name, value in feeds.items():
-                if hasattr(value, "__cuda_array_interface__"):  # decoded on the GPU: bound where it lies
-                    binding.bind_input(name, "cuda", 0, value.dtype.type, list(value.shape),
-                                       value.__cuda_array_interface__["data"][0])
-                else:
-                    binding.bind_cpu_input(name, value)
-            for name in self.output_names:
-                binding.bind_output(name, "cuda")
-            self.session.run_with_iobinding(binding)
-            return dict(zip(self.output_names, binding.copy_outputs_to_cpu()))
-        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+        if not self.iobinding:
+            return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+        if graph := self._graph_for(images, pixel_values):
+            return dict(zip(self.output_names, graph.run(images)))
+        # IOBinding: outputs stay on the device until one copy back, no per-run host allocations for them.
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            if hasattr(value, "__cuda_array_interface__"):  # decoded on the GPU: bound where it lies
+                binding.bind_input(name, "cuda", 0, value.dtype.type, list(value.shape),
+                                   value.__cuda_array_interface__["data"][0])
+            else:
+                # host memory as an OrtValue over it (no copy): bind_cpu_input finds only the names
+                # session.get_inputs() lists, and an input with a default (graph_input) is not among them
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
+        for name in self.output_names:
+            binding.bind_output(name, self.device)
+        self.session.run_with_iobinding(binding)
+        return dict(zip(self.output_names, binding.copy_outputs_to_cpu()))
 
     def _graph_for(self, images, pixel_values: np.ndarray) -> CudaGraph | None:
         """The smallest CUDA graph that holds a batch of host images alone (none for GPU-decoded ones)."""

@@ -55,6 +55,10 @@ class ModelInfo(BaseModel):
     graph: str | None = Field(None, description="the model whose graph runs for this name")
     decode: str = Field("cpu", description="where its JPEGs are decoded: cpu (Pillow, in the HTTP workers) or gpu "
                                            "(nvImageCodec, with their batch, straight into the model's input)")
+    decode_reason: str | None = Field(None, description="why decode is cpu although the model runs on CUDA with "
+                                                        "GPU decoding on (the error that kept it from starting); "
+                                                        "null where decode is gpu, or the model runs on the CPU, "
+                                                        "or VITSERVE_GPU_DECODE is off")
     ready: bool
     error: str | None = None
     attention: dict = Field(description="how attention maps are computed for this model")

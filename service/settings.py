@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     cuda_graph_max_batch: int = Field(0, ge=0, le=64, description="on CUDA, batches of up to this many images "
                                       "replay as CUDA graphs, one per power of two, each with its own copy of "
                                       "the weights on the GPU (batch 1: 1.7-4.4x the plain session on an H100); 0: off")
+    iobinding: bool = Field(False, description="on the CPU too, run every batch through ONNX Runtime's IOBinding "
+                                              "with reused batch buffers, as CUDA always does: a host without a "
+                                              "GPU (CI) then exercises the device path")
     gpu_decode: bool = Field(True, description="on CUDA, decode JPEGs on the GPU with nvImageCodec, in batches, "
                                                "where it and CuPy are installed (the `gpu` extra); else Pillow")
     intra_op_threads: int = Field(0, ge=0, description="threads per inference (0: one per core)")

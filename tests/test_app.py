@@ -42,6 +42,7 @@ def test_the_app_over_a_local_backend_in_this_process():
     got = {p["index"]: p["score"] for p in classified.json()["results"][0]["predictions"]}
     np.testing.assert_allclose([got[i] for i in range(6)], direct_probabilities(REPO / "shapes-vit", JPEG), atol=1e-5)
     assert {m["name"]: m["decode"] for m in models.json()["models"]}["shapes-vit"] == "cpu"
+    assert all(m["decode_reason"] is None for m in models.json()["models"])  # on the CPU no GPU decoding was asked
     assert models.json()["face_detector"] == {"name": "mtcnn", "provider": "CPUExecutionProvider", "error": None,
                                               "landmarks": ["left_eye", "right_eye", "nose", "mouth_left",
                                                             "mouth_right"]}

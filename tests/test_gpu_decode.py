@@ -1,10 +1,20 @@
 """Decoding JPEGs with their batch, as the GPU path does, checked on the CPU: the resize weights against Pillow,
 and the "jpeg" records' way through the batcher, the backends and the process boundary, with a decoder that
-does on the host what gpu_decode.GpuDecoder does on the device (the GPU itself: tests/test_gpu.py)."""
+does on the host what gpu_decode.GpuDecoder does on the device (the GPU itself: tests/test_gpu.py); every name
+gpu_decode.py takes from nvImageCodec and CuPy, resolved on the locked versions (the test extra installs them:
+they import without a GPU); and a GPU decoder that cannot start, which /models explains."""
+import ast
 import asyncio
+import importlib
+import importlib.metadata
+import inspect
 import io
+import logging
+import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -12,14 +22,17 @@ from service_process import ROOT, model_pixels, photo_bytes, run_graph
 from skimage import data as photos
 
 from repository import InputPolicy
+from service import gpu_decode
+from service.app import create_app
 from service.backends.local import LocalBackend
 from service.backends.process import ProcessBackend
 from service.backends.server import InferenceServer
 from service.decode import resize_and_crop
 from service.errors import BadInput
-from service.gpu_decode import crop_weights, is_jpeg, resize
+from service.gpu_decode import crop_weights, gpu_decoder, is_jpeg, resize
 from service.metrics import Metrics
 from service.pipeline import Pipeline
+from service.runtime import CUDA
 from service.settings import Settings
 
 REPO = ROOT / "model_repository"
@@ -135,3 +148,148 @@ def test_jpeg_bytes_cross_to_the_inference_process_beside_their_records(tmp_path
     direct = run_graph(REPO / "shapes-deit" / "model.onnx", model_pixels(REPO / "shapes-deit", jpeg)[None])[0]
     assert calls == [3] and logits.shape == (2, 6) and (logits.argmax(1) == direct.argmax(1)).all()
     assert isinstance(broken, BadInput) and "could not be decoded" in broken.message
+
+
+# -- the names gpu_decode.py uses, on the locked nvImageCodec and CuPy ----------------------------------------
+GPU_PACKAGES = ("nvidia", "cupy", "cupyx")  # nvidia.nvimgcodec (its `nvjpeg` extra: nvidia-nvjpeg), CuPy
+
+
+def dotted(node: ast.AST) -> str | None:
+    """`a.b.c` for an attribute chain on a name; None for one on a call's result or a literal."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def resolve(name: str, known: dict[str, object]) -> tuple[str, object] | None:
+    """(the part that is missing, or "", the object) for a chain that starts at a known name; None for others."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        if (root := ".".join(parts[:i])) in known:
+            obj = known[root]
+            for part in parts[i:]:
+                if not hasattr(obj, part):
+                    return part, obj
+                obj = getattr(obj, part)
+            return "", obj
+    return None
+
+
+def accepts(function: object, keyword: str) -> bool:
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # pybind11 (nvImageCodec): the signatures are in the docstrings
+        doc = (function.__init__ if isinstance(function, type) else function).__doc__ or ""
+        return re.search(rf"\b{keyword}: ", doc) is not None
+    return keyword in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def test_every_nvimgcodec_and_cupy_name_gpu_decode_uses_exists_in_the_locked_versions():
+    """gpu_decode.py's modules, the names bound to them or to instances of their classes, each attribute chain on
+    those and each keyword passed to their functions, resolved on the installed packages: a Decoder needs a GPU to
+    be built, their names do not. A missing package fails here (CI installs the test extra), never skips."""
+    pins = dict(line.split("==") for line in (ROOT / "requirements.lock").read_text().splitlines() if "==" in line)
+    for package in ("nvidia-nvimgcodec-cu13", "nvidia-nvjpeg", "cupy-cuda13x"):  # the versions checked: the lock's
+        assert importlib.metadata.version(package) == pins[package], package
+    tree = ast.parse(Path(gpu_decode.__file__).read_text())
+    known: dict[str, object] = {"xp": importlib.import_module("cupy")}  # resize()'s array module: CuPy on the GPU
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            for alias in node.names:
+                module = f"{node.module}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
+                if module.split(".")[0] in GPU_PACKAGES:  # ModuleNotFoundError: not installed, fails the test
+                    known[alias.asname or alias.name] = importlib.import_module(module)
+    assert {"cupy", "nvimgcodec"} <= set(known)
+    # in source order, names bound to a module (`cp = self.cupy`) or to an instance of its class (a Decoder)
+    for node in sorted((n for n in ast.walk(tree) if isinstance(n, ast.Assign)), key=lambda n: n.lineno):
+        targets, values = node.targets[0], node.value
+        pairs = zip(targets.elts, values.elts) if isinstance(targets, ast.Tuple) and isinstance(values, ast.Tuple) \
+            else [(targets, values)]
+        for target, value in pairs:
+            made = isinstance(value, ast.Call)
+            found = (name := dotted(value.func if made else value)) and resolve(name, known)
+            if found and not found[0] and (not made or isinstance(found[1], type)) and (key := dotted(target)):
+                known[key] = found[1]
+    checked, missing = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (name := dotted(node)) and (found := resolve(name, known)):
+            checked.add(name)
+            if found[0]:
+                missing.append(f"line {node.lineno}: {name} ({found[1]!r} has no {found[0]})")
+        if isinstance(node, ast.Call) and (name := dotted(node.func)) and (found := resolve(name, known)):
+            missing += [f"line {node.lineno}: {name}({k.arg}=...)" for k in node.keywords
+                        if not found[0] and k.arg and not accepts(found[1], k.arg)]
+    assert not missing, missing
+    # the names that broke on nvImageCodec 0.9 and those the decode runs through were checked, not passed over
+    assert {"nvimgcodec.ColorSpec.SRGB", "nvimgcodec.Decoder", "self.decoder.decode", "cp.zeros",
+            "cp.cuda.get_current_stream", "self.cupy.asarray", "xp.tensordot"} <= checked, sorted(checked)
+
+
+def test_without_a_gpu_the_locked_decoder_fails_to_start_for_that_alone_and_says_why(caplog):
+    """Here nvImageCodec and CuPy import and only the GPU is missing: nvImageCodec's Decoder refuses to start
+    (a RuntimeError: no libcuda), not an ImportError or a name the installed version lacks, and it is logged."""
+    cupy = importlib.import_module("cupy")
+    try:
+        gpus = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        gpus = 0
+    if gpus:
+        pytest.skip("this host has a GPU: tests/test_gpu.py builds the decoder")
+    policy = InputPolicy((96, 96), 96, "bicubic", (0.5,) * 3, (0.5,) * 3)
+    with caplog.at_level(logging.WARNING, "vitserve"):
+        decoder, reason = gpu_decoder(policy, "shapes-vit")
+    assert decoder is None and reason.startswith("RuntimeError: "), reason
+    assert any(r.levelno == logging.WARNING and "shapes-vit" in r.getMessage() and reason in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_where_cuda_serves_and_gpu_decoding_does_not_start_models_says_why(backend, monkeypatch, caplog, tmp_path):
+    """The graphs run on the CPU reported as CUDA, so the backend tries to build their GPU decoders, and
+    nvImageCodec's Decoder fails as it does without a GPU: the models decode on the CPU, /models says why (under
+    the process backend too, from the inference process), and a warning said it at start-up. Models on the CPU,
+    or with VITSERVE_GPU_DECODE off, have no reason."""
+    nvimgcodec = importlib.import_module("nvidia.nvimgcodec")
+
+    def no_gpu(*args, **kwargs):
+        raise RuntimeError("CUDA Runtime failure: '#35'")  # cudaErrorInsufficientDriver
+
+    opened = LocalBackend._open
+
+    def on_cuda(self, entry, plan):
+        runner = opened(self, entry, plan)
+        runner.provider = CUDA if entry.name != "shapes-vit-int8" else runner.provider  # int8 runs on the CPU
+        return runner
+
+    monkeypatch.setattr(nvimgcodec, "Decoder", no_gpu)
+    monkeypatch.setattr(LocalBackend, "_open", on_cuda)
+
+    async def models(gpu_decode: bool) -> dict[str, dict]:
+        settings = Settings(model_repository=REPO, warmup_runs=0, gpu_decode=gpu_decode)
+        stop, socket = asyncio.Event(), tmp_path / f"{gpu_decode}.sock"
+        if backend == "process":  # the inference process's LocalBackend, in this process, and one worker
+            serving = asyncio.create_task(InferenceServer(settings, socket).serve(stop))
+        app = create_app(settings, ProcessBackend(settings, socket) if backend == "process"
+                         else LocalBackend(settings, Metrics()), metrics=Metrics())
+        try:
+            async with app.router.lifespan_context(app):
+                await app.state.pipelines.backend.loaded()
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://v") as client:
+                    return {m["name"]: m for m in (await client.get("/models")).json()["models"]}
+        finally:
+            if backend == "process":
+                stop.set()
+                await serving
+
+    with caplog.at_level(logging.WARNING, "vitserve"):
+        on = asyncio.run(models(True))
+    reason = "RuntimeError: CUDA Runtime failure: '#35'"
+    assert on["shapes-vit"]["provider"] == CUDA and on["shapes-vit"]["decode"] == "cpu"
+    assert on["shapes-vit"]["decode_reason"] == on["shapes-deit"]["decode_reason"] == reason
+    assert on["shapes-vit-int8"]["decode"] == "cpu" and on["shapes-vit-int8"]["decode_reason"] is None
+    assert any(r.levelno == logging.WARNING and r.getMessage().startswith("shapes-vit:") and reason in r.getMessage()
+               for r in caplog.records)
+    off = asyncio.run(models(False))
+    assert all(m["decode"] == "cpu" and m["decode_reason"] is None for m in off.values())

@@ -28,6 +28,8 @@ class ModelStatus:
     precision: str | None = None  # what runs: an fp32 model with an fp16 sibling runs in fp16 on CUDA
     graph: str | None = None  # the model whose model.onnx runs for this name
     decode: str = "cpu"  # "gpu" where JPEGs can be sent undecoded, to be decoded with their batch on the GPU
+    # why decode is "cpu" although the graph runs on CUDA with GPU decoding on (else None): never a silent fallback
+    decode_reason: str | None = None
     unloaded: bool = False  # taken out of service (POST /v2/repository/models/NAME/unload): requests get 404
     loads: int = 1  # how many times it was (re)loaded: a worker re-reads its manifest when this changes
     last_failure: str | None = None  # why the last (re)load failed, while what served before still serves

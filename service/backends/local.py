@@ -50,6 +50,7 @@ class LocalBackend:
         self.batchers: dict[str, Batcher] = {}  # by graph
         self._explainers: dict[str, Runner] = {}  # by graph, opened on first use
         self.jpeg_decoders: dict[str, object] = {}  # by graph: GPU JPEG decoders (gpu_decode.py), where they work
+        self.decode_reasons: dict[str, str] = {}  # by graph: why its GPU decoder did not start (ModelStatus)
         self.cache = AttentionCache(settings.attention_cache_items, settings.attention_cache_bytes,
                                     settings.attention_ttl_s)
         self.inference: ThreadPoolExecutor | None = None
@@ -105,8 +106,12 @@ class LocalBackend:
         for graph, runner in self.runners.items():
             if runner.provider == CUDA and self.settings.gpu_decode:
                 from ..gpu_decode import gpu_decoder  # CuPy and nvImageCodec stay unimported on a CPU host
-                if (decoder := await loop.run_in_executor(self.inference, gpu_decoder, self.by_key[graph].policy)):
+                decoder, reason = await loop.run_in_executor(self.inference, gpu_decoder, self.by_key[graph].policy,
+                                                             graph)
+                if decoder is not None:
                     self.use_jpeg_decoder(graph, decoder)
+                else:
+                    self.decode_reasons[graph] = reason
             self._start_batcher(graph)
             for name in names[graph]:
                 self._ready(name, runner.provider)
@@ -121,7 +126,8 @@ class LocalBackend:
 
     def _open(self, entry: ModelEntry, plan: Plan) -> Runner:
         runner = Runner(entry.path(), _input_names(entry), list(plan.providers), self.settings.intra_op_threads,
-                        self.settings.spin_wait, self.settings.cuda_tf32, self.settings.cuda_graph_max_batch)
+                        self.settings.spin_wait, self.settings.cuda_tf32, self.settings.cuda_graph_max_batch,
+                        self.settings.iobinding)
         # first runs allocate memory and pick kernels: do them before the first request does
         h, w = entry.policy.size
         start, no_tensors = time.perf_counter(), np.zeros((0, 3, h, w), np.float32)
@@ -139,13 +145,18 @@ class LocalBackend:
         self.jpeg_decoders[graph] = decoder
         for name, plan in self.plans.items():
             if plan.graph == graph and self._status[name].ready:
-                self._status[name].decode = "gpu"
+                self._status[name].decode, self._status[name].decode_reason = "gpu", None
         self._changed()
 
     def _ready(self, name: str, provider: str, loads: int = 1) -> None:
         plan, entry = self.plans[name], self.by_key[name]
         decode_on = "gpu" if plan.graph in self.jpeg_decoders else "cpu"
-        self._status[name] = ModelStatus(True, None, provider, plan.precision, plan.graph, decode_on, loads=loads)
+        reason = None
+        if decode_on == "cpu" and provider == CUDA and self.settings.gpu_decode:  # wanted, and not there: say why
+            reason = self.decode_reasons.get(plan.graph, "GPU decoding is set up at start-up only, and this graph "
+                                                         "was loaded later")
+        self._status[name] = ModelStatus(True, None, provider, plan.precision, plan.graph, decode_on, reason,
+                                         loads=loads)
         self.metrics.ready.labels(name).set(1)
         self.metrics.loads.labels(entry.name, "ok").inc()
         self._info(name, (entry.name, str(entry.version), entry.manifest["architecture"], entry.task, plan.precision,
@@ -265,7 +276,8 @@ class LocalBackend:
             if graph not in self._explainers:  # only the inference threads get here; a second open is harmless
                 self._explainers[graph] = Runner(verify_file(entry, "explain"), _input_names(entry),
                                                  list(self.plans[model].providers), self.settings.intra_op_threads,
-                                                 self.settings.spin_wait, self.settings.cuda_tf32)
+                                                 self.settings.spin_wait, self.settings.cuda_tf32,
+                                                 iobinding=self.settings.iobinding)
             h, w = entry.policy.size
             outputs = self._explainers[graph].run(image[None], np.zeros((0, 3, h, w), np.float32))
             return [outputs[name][0] for name in entry.manifest["attention"]["explain_outputs"]]

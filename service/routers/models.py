@@ -16,8 +16,8 @@ def model_info(pipeline: Pipeline, status: ModelStatus) -> ModelInfo:
         task=m["task"], labels=m["labels"],
         input_size=m["input"]["size"], preprocessing=pipeline.entry.preprocessing,
         precision=status.precision or m["precision"], provider=status.provider,
-        graph=status.graph, decode=status.decode, ready=status.ready, error=status.error,
-        attention=m["attention"], explain=pipeline.entry.has("explain"), parity=m["parity"])
+        graph=status.graph, decode=status.decode, decode_reason=status.decode_reason, ready=status.ready,
+        error=status.error, attention=m["attention"], explain=pipeline.entry.has("explain"), parity=m["parity"])
 
 
 @router.get("/models", response_model=ModelsResponse, summary="The served models")

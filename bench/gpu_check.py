@@ -1,0 +1,264 @@
+"""One command for a GPU host (`make gpu-check`): the service under wrk, the graphs at batch 256, and the CUDA tests,
+in that order, into bench/results/gpu-<date>-<commit>.txt with the device, date, commit and ONNX Runtime.
+
+    python bench/gpu_check.py --export-cache /tmp/gpu-cache   # on the CPU host: the graphs it needs, into a cache
+    python bench/gpu_check.py --cache /tmp/gpu-cache          # on the GPU host: about 5 minutes on an H100
+    python bench/gpu_check.py --quick                         # a smoke run: 1 s levels, 64 connections, 1 round
+
+service: `python -m service` (the backend it picks: process on CUDA) serving DeiT-Ti from --cache, with its fp16
+         sibling on CUDA (so in fp16), GPU decoding on and off (VITSERVE_GPU_DECODE); wrk (bench/wrk.py, one fixed
+         request over kept-alive connections) posting /classify with 1 and 8 JPEGs (the 451 x 300 chelsea photo) and
+         /v2 UINT8 binary tensors of 1 and 8 images, at each connection count: images/s, p50/p99, errors (non-2xx
+         among them), the GPU's utilisation (NVML, sampled through the measured window) and the host's busy cores
+         (/proc/stat: wrk's included).
+graphs:  bench/gpu.py --parts graphs --models deit_tiny_patch16_224 --batches 256 --cache DIR (it exports nothing
+         on a host whose torch cannot: a missing graph stops it with the command that makes it).
+tests:   python -m pytest -q tests/test_gpu.py tests/test_gpu_decode.py.
+A part that fails is recorded and the next one runs. Without CUDA the same parts run on the CPU (fp32, GPU decoding
+not run, test_gpu.py skipped), and the file says so. The commit is git's, or GPU_CHECK_COMMIT's where the tree
+has no git repository (a copy on the GPU host).
+"""
+import argparse
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for folder in (ROOT, ROOT / "tests", ROOT / "bench"):
+    sys.path.insert(0, str(folder))
+import httpx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+import wrk  # noqa: E402
+from service_process import model_pixels, photo_bytes, running_service  # noqa: E402
+
+from repository import read_entry  # noqa: E402
+from service.runtime import CUDA, choose_device  # noqa: E402
+
+MODEL = "deit_tiny_patch16_224"
+PARTS = ["service", "graphs", "tests"]
+RESULTS = ROOT / "bench" / "results"
+
+
+class PartFailed(RuntimeError):
+    """A part's failure already told in the report: no traceback needed."""
+
+
+class Report:
+    """Each line printed and appended to the results file at once: a run cut short keeps what it measured."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+
+    def __call__(self, text: str = "") -> None:
+        print(text, flush=True)
+        with self.path.open("a") as out:
+            out.write(text + "\n")
+
+
+def output(*argv: str) -> str:
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+
+
+def commit() -> str:
+    """GPU_CHECK_COMMIT, else this tree's short commit, "-dirty" with changes to tracked files; "unknown" without
+    git."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
+    try:
+        return output("git", "rev-parse", "--short", "HEAD") + ("-dirty" if output("git", "status", "--porcelain",
+                                                                                    "-uno") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device() -> str:
+    try:
+        return output("nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader")
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"no GPU seen (nvidia-smi: {e})"
+
+
+@cache
+def nvml() -> object | None:
+    """The first GPU's NVML handle, or None without NVML (pynvml, from nvidia-ml-py) or a GPU."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByIndex(0)
+    except Exception:  # noqa: BLE001 - ImportError, or NVML's own errors: no utilisation then
+        return None
+
+
+def busy_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores so far, from /proc/stat (idle and iowait are not busy)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
+class Usage:
+    """Over a `with` block: the GPU's utilisation (%, NVML sampled every 0.2 s: mean and max) and the host's busy
+    cores."""
+
+    def __enter__(self) -> "Usage":
+        self.samples: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.start = busy_jiffies()
+        if nvml() is not None:
+            self.thread.start()
+        return self
+
+    def sample(self) -> None:
+        import pynvml
+        while not self.stop.wait(0.2):
+            self.samples.append(pynvml.nvmlDeviceGetUtilizationRates(nvml()).gpu)
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if nvml() is not None:
+            self.thread.join()
+        (busy0, total0), (busy1, total1) = self.start, busy_jiffies()
+        self.cores = (busy1 - busy0) / max(total1 - total0, 1) * (os.cpu_count() or 1)
+
+    @property
+    def gpu(self) -> str:
+        if not self.samples:
+            return "n/a"
+        return f"{sum(self.samples) / len(self.samples):.0f}/{max(self.samples)}"
+
+
+def service(report: Report, cache: Path, cuda: bool, clients: list[int], seconds: int, max_batch: int) -> None:
+    from gpu import export, repository_of
+    folders = [export(cache, MODEL)] + ([export(cache, MODEL, "fp16")] if cuda else [])
+    jpeg = photo_bytes("chelsea", "JPEG", quality=90)
+    pixels = model_pixels(folders[0], jpeg)
+    images = read_entry(folders[0]).manifest["input"]["name"]
+    requests = {f"/classify {n} JPEG": wrk.classify_request(jpeg, n, query=f"model={MODEL}&top_k=1") for n in (1, 8)}
+    requests |= {f"/v2 UINT8 {n} img": wrk.v2_request(MODEL, images, pixels[None].repeat(n, 0)) for n in (1, 8)}
+    threads = max(1, min(4, (os.cpu_count() or 1) // 4))
+    settings = {"max_batch_size": max_batch, "queue_limit": 4096, "access_log": False}
+    report(f"{MODEL} ({'fp16 sibling on CUDA' if cuda else 'fp32 on the CPU'}), settings {settings}; wrk "
+           f"threads {threads}, 1 s warm-up + {seconds} s per level; GPU % = NVML utilisation mean/max, "
+           f"cores = busy host cores of {os.cpu_count()}")
+    if not cuda:
+        report("GPU decoding on: not run (the CUDA provider does not start here)")
+    failed = 0
+    with repository_of(folders) as repo:
+        for gpu_decode in [True, False] if cuda else [False]:
+            with running_service(model_repository=repo, gpu_decode=gpu_decode, **settings) as url:
+                served = httpx.get(f"{url}/models", timeout=10).json()["models"]
+                report(f"\nGPU decoding {'on' if gpu_decode else 'off'}; /models: " + "; ".join(
+                    f"{m['name']}: {m['precision']} on {m['provider']}, decode {m['decode']}"
+                    + (f" ({m['decode_reason']})" if m.get("decode_reason") else "") for m in served))
+                report(f"{'route':<18} {'conns':>5} {'img/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors (non-2xx)':>16} "
+                       f"{'GPU %':>7} {'cores':>5}")
+                for label, request in requests.items():
+                    for c in clients:
+                        try:
+                            wrk.run(url, request, c, 1, threads)
+                            with Usage() as usage:
+                                f = wrk.run(url, request, c, seconds, threads)
+                            latency = f"{f.p50_ms:>8.1f} {f.p99_ms:>8.1f}" if f.images_per_s else f"{'-':>8} {'-':>8}"
+                            report(f"{label:<18} {c:>5} {f.images_per_s:>9,.0f} {latency} "
+                                   f"{f'{f.errors} ({f.non_2xx})':>16} {usage.gpu:>7} {usage.cores:>5.1f}")
+                        except Exception as e:  # noqa: BLE001 - the level's failure, recorded; the next level runs
+                            failed += 1
+                            report(f"{label:<18} {c:>5} FAILED: {type(e).__name__}: {' '.join(str(e).split())}")
+    if failed:
+        raise PartFailed(f"{failed} level(s) failed")
+
+
+def logged(report: Report, argv: list[str], timeout: float) -> None:
+    """Run `argv` in the project root, its output into the report line by line; fail on its exit status, or after
+    `timeout` seconds (killed with the processes it started: torch.compile's workers, a test's service)."""
+    report(f"$ {shlex.join(argv)}")
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+    timer.start()
+    for line in proc.stdout:
+        report(line.rstrip())
+    timer.cancel()
+    if proc.wait():
+        raise PartFailed(f"exit status {proc.returncode}" + (f" (killed after {timeout:g} s)" if proc.returncode < 0
+                                                              else ""))
+
+
+def export_cache(cache: Path) -> None:
+    """What the check needs, exported here (the GPU host's torch cannot): DeiT-Ti fp32 and fp16 repository folders,
+    and the fp16 graph without ORT's fusions that bench/gpu.py's graphs part times beside them."""
+    from gpu import export, fp16_variant
+
+    from export.fusion import REWRITES
+    for precision in ("fp32", "fp16"):
+        export(cache, MODEL, precision)
+    fp16_variant(cache, MODEL, tuple(REWRITES))
+    size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
+    print(f"{cache}: {size / 2**20:.0f} MiB; stage it with `BENCH_CACHE={cache} bash ../shared/gpu/stage.sh`")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache", type=Path, default=Path(os.environ.get("BENCH_CACHE", "/tmp/gpu-stage/cache")),
+                   help="the exported graphs (default: $BENCH_CACHE, else /tmp/gpu-stage/cache, where "
+                        "../shared/gpu/device-setup.sh puts staged ones)")
+    p.add_argument("--export-cache", type=Path, metavar="DIR",
+                   help="export the graphs the check needs into DIR (on a host whose torch can) and stop")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which parts, always in this order")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 1 s levels at 64 connections, 1 graph round")
+    p.add_argument("--clients", nargs="+", type=int, help="wrk connections per level (default: 64 256)")
+    p.add_argument("--seconds", type=int, help="per service level, after 1 s of warm-up (default: 5)")
+    p.add_argument("--max-batch-size", type=int, default=16, help="the service's (VITSERVE_MAX_BATCH_SIZE)")
+    args = p.parse_args()
+    if args.export_cache:
+        return export_cache(args.export_cache)
+    clients = args.clients or ([64] if args.quick else [64, 256])
+    seconds = args.seconds or (1 if args.quick else 5)
+    rounds = ["--rounds", "1", "--seconds", "1"] if args.quick else ["--rounds", "2", "--seconds", "2"]
+    started, now, source = time.monotonic(), datetime.now(timezone.utc), commit()
+    report = Report(RESULTS / f"gpu-{now:%Y-%m-%d}-{source}.txt")
+    report(f"{shlex.join(['bench/gpu_check.py', *sys.argv[1:]])}, {now:%Y-%m-%d %H:%M} UTC, commit {source}")
+    try:  # as the service decides, on its smallest embedded graph
+        cuda = choose_device([read_entry(ROOT / "model_repository" / "shapes-vit")], None) == CUDA
+    except Exception as e:  # noqa: BLE001 - the CPU then, and why
+        cuda = False
+        report(f"the CUDA provider's probe failed: {type(e).__name__}: {e}")
+    report(f"device: {device()}; CUDA provider {'starts' if cuda else 'does not start: CUDA parts not run'}")
+    report(f"host: {os.cpu_count()} cores, Python {platform.python_version()}; onnxruntime {ort.__version__}, "
+           f"providers {', '.join(ort.get_available_providers())}; cache {args.cache}")
+    parts: dict[str, Callable[[], None]] = {
+        "service": lambda: service(report, args.cache, cuda, clients, seconds, args.max_batch_size),
+        "graphs": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "graphs", "--models", MODEL,
+                                          "--batches", "256", "--cache", str(args.cache), *rounds], 240),
+        "tests": lambda: logged(report, [sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py",
+                                         "tests/test_gpu_decode.py"], 240)}
+    outcomes = []
+    for name, part in ((k, v) for k, v in parts.items() if k in args.parts):
+        report(f"\n== {name}")
+        start = time.monotonic()
+        try:
+            part()
+            outcomes.append(f"{name} ok ({time.monotonic() - start:.0f} s)")
+        except Exception as e:  # noqa: BLE001 - recorded; the next part runs
+            if not isinstance(e, PartFailed):
+                report(traceback.format_exc().rstrip())
+            outcomes.append(f"{name} FAILED ({time.monotonic() - start:.0f} s: {type(e).__name__}: {e})")
+    report(f"\n== summary: {'; '.join(outcomes)}; {time.monotonic() - started:.0f} s in all")
+    print(f"written to {report.path.relative_to(ROOT)}")
+    sys.exit(any("FAILED" in o for o in outcomes))
+
+
+if __name__ == "__main__":
+    main()

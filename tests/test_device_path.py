@@ -1,0 +1,109 @@
+"""The Runner's device path (IOBinding, outputs bound and copied back, reused batch buffers) on the CPU provider:
+what serves every batch on CUDA, exercised on hosts without a GPU (CI) through the `iobinding` switch."""
+import json
+import logging
+import sys
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+import tritonclient.http as triton
+from service_process import ROOT, direct_probabilities, model_pixels, photo_bytes, running_service
+
+from service import runtime
+from service.runtime import CPU, Runner
+
+REPO = ROOT / "model_repository"
+GRAPHS = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("*/*.onnx") if p.parent.name != "mtcnn")
+INPUTS = ("images", "pixel_values")
+JPEG = photo_bytes("chelsea", "JPEG")
+
+
+def batches(graph: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Images alone, float pixels alone, and both at once, at the graph's input size."""
+    h, w = json.loads((REPO / graph).parent.joinpath("manifest.json").read_text())["input"]["size"]
+    rng = np.random.default_rng(0)
+    images, pixels = rng.integers(0, 256, (3, h, w, 3), np.uint8), rng.standard_normal((2, 3, h, w), np.float32)
+    return [(images, pixels[:0]), (images[:0], pixels), (images, pixels)]
+
+
+def assert_same_runs(device: Runner, plain: Runner, graph: str) -> None:
+    for images, pixels in batches(graph):
+        gathered = device.host_batch(len(images))  # as the service gathers a batch
+        gathered[:] = images
+        got, want = device.run(gathered, pixels), plain.run(images, pixels)
+        assert list(got) == plain.output_names
+        for name in want:
+            assert len(got[name]) == len(images) + len(pixels)
+            np.testing.assert_array_equal(got[name], want[name])
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_every_embedded_graph_runs_through_the_device_path_as_a_plain_run(graph):
+    device = Runner(REPO / graph, INPUTS, [CPU], iobinding=True)
+    plain = Runner(REPO / graph, INPUTS, [CPU])
+    assert device.iobinding and not plain.iobinding
+    assert_same_runs(device, plain, graph)
+
+
+def test_a_graph_whose_inputs_have_defaults_runs_through_the_device_path(tmp_path):
+    """Graphs exported on 2026-11-25/26 gave each input an empty-batch default: ONNX Runtime then lists no inputs,
+    and IOBinding's numpy bind_cpu_input fails on them ("Failed to find NodeArg"). The service still serves them."""
+    proto = onnx.load(REPO / "shapes-vit" / "model.onnx")
+    for value in proto.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+        proto.graph.initializer.append(onnx.numpy_helper.from_array(
+            np.zeros([0, *(d.dim_value for d in dims[1:])], dtype), value.name))
+    onnx.save(proto, tmp_path / "model.onnx")
+    device = Runner(tmp_path / "model.onnx", INPUTS, [CPU], iobinding=True)
+    assert device.session.get_inputs() == []  # the case the device path must bind all the same
+    assert device.image_shape == (96, 96, 3)
+    assert_same_runs(device, Runner(REPO / "shapes-vit" / "model.onnx", INPUTS, [CPU]), "shapes-vit/model.onnx")
+
+
+def test_the_device_paths_batch_buffer_is_reused_per_thread_and_grows_in_powers_of_two():
+    runner = Runner(REPO / "shapes-vit" / "model.onnx", INPUTS, [CPU], iobinding=True)
+    first = runner.host_batch(3)
+    assert first.shape == (3, 96, 96, 3) and first.dtype == np.uint8 and first.base.shape[0] == 4
+    smaller = runner.host_batch(2)
+    assert np.shares_memory(first, smaller)  # no allocation per batch
+    grown = runner.host_batch(5)
+    assert grown.base.shape[0] == 8 and not np.shares_memory(first, grown)
+    plain = Runner(REPO / "shapes-vit" / "model.onnx", INPUTS, [CPU])
+    assert not np.shares_memory(plain.host_batch(2), plain.host_batch(2))  # off the device path: fresh memory
+
+
+def test_without_cupy_batches_are_gathered_in_pageable_memory_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "cupyx", None)  # an import of it fails, as where CuPy is not installed
+    runtime.pinned_empty.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="vitserve"):
+            assert runtime.pinned_empty() is None
+        assert "page-locked memory needs CuPy" in caplog.text
+    finally:
+        runtime.pinned_empty.cache_clear()
+
+
+@pytest.mark.parametrize("backend", ["process"])  # the backend that serves on CUDA
+def test_the_service_serves_classify_v2_and_attention_maps_through_the_device_path(backend):
+    with running_service(backend=backend, workers=1, iobinding="true") as url:
+        r = httpx.post(f"{url}/classify", files={"file": ("chelsea.jpg", JPEG)},
+                       params={"model": "shapes-vit", "top_k": 6, "attention": "true"}, timeout=30)
+        assert r.status_code == 200, r.text
+        (result,) = r.json()["results"]
+        got = {p["index"]: p["score"] for p in result["predictions"]}
+        np.testing.assert_allclose([got[i] for i in range(6)], direct_probabilities(REPO / "shapes-vit", JPEG),
+                                   atol=1e-5)
+        for method in ("last", "rollout"):  # rollout runs the explain graph
+            m = httpx.get(f"{url}/attention-map", params={"id": result["id"], "method": method, "format": "json"})
+            assert m.status_code == 200, m.text
+            assert np.isfinite(m.json()["grid"]).all()
+        client = triton.InferenceServerClient(url=url.removeprefix("http://"))
+        pixels = model_pixels(REPO / "shapes-vit", JPEG)[None]
+        images = triton.InferInput("images", list(pixels.shape), "UINT8")
+        images.set_data_from_numpy(pixels)
+        logits = client.infer("shapes-vit", [images]).as_numpy("logits")
+        probs = np.exp(logits[0] - logits[0].max())
+        np.testing.assert_allclose(probs / probs.sum(), direct_probabilities(REPO / "shapes-vit", JPEG), atol=1e-5)
