@@ -29,6 +29,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -186,11 +188,11 @@ def print_profile(name: str, cache: Path, batch: int, size: int, device: str) ->
         print(f"  {precision} on {used}: total {total:.1f}: {top}")
 
 
-def bench(calls: dict, batch: int, size: int, rounds: int, repeat: int) -> dict[str, float]:
-    """Median seconds per call of each variant, interleaved round by round."""
-    x = torch.randn(batch, 3, size, size).numpy()
-    for call in calls.values():  # warm-up: first-run allocations, kernel selection
-        call(x)
+def interleaved(calls: dict[str, Callable[[], object]], rounds: int, repeat: int) -> dict[str, float]:
+    """Median seconds per call of each variant, after one warm-up call each (first-run allocations, kernel
+    selection), interleaved round by round in a shuffled order."""
+    for call in calls.values():
+        call()
     times = {k: [] for k in calls}
     for _ in range(rounds):
         order = list(calls)
@@ -198,9 +200,15 @@ def bench(calls: dict, batch: int, size: int, rounds: int, repeat: int) -> dict[
         for k in order:
             start = time.perf_counter()
             for _ in range(repeat):
-                calls[k](x)
+                calls[k]()
             times[k].append((time.perf_counter() - start) / repeat)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench(calls: dict, batch: int, size: int, rounds: int, repeat: int) -> dict[str, float]:
+    """Median seconds per call of each variant on one random float batch."""
+    x = torch.randn(batch, 3, size, size).numpy()
+    return interleaved({k: partial(call, x) for k, call in calls.items()}, rounds, repeat)
 
 
 def main() -> None:
@@ -232,7 +240,7 @@ def main() -> None:
     args.cache.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count())
     print(f"CPU threads: {os.cpu_count()}, torch {torch.__version__}, onnxruntime {ort.__version__}")
-    header = (f"{'model':<30} {'batch':>5} {'variant':<24} {'ms/batch':>9} {'img/s':>7} {'vs torch':>9} "
+    header = (f"{'model':<30} {'batch':>5} {'variant':<34} {'ms/batch':>9} {'img/s':>7} {'vs torch':>9} "
               f"{'int8 vs fp32':>12}")
     if args.batches:
         print(header)
@@ -244,7 +252,7 @@ def main() -> None:
             med = bench(calls, batch, size, args.rounds, repeat=4 if batch == 1 else 1)
             for k, t in med.items():
                 vs_fp32 = f"{med['ort fp32 ' + k.split()[-1]] / t:>11.2f}x" if "int8" in k else ""
-                print(f"{name:<30} {batch:>5} {k:<24} {t * 1e3:>9.1f} {batch / t:>7.1f} "
+                print(f"{name:<30} {batch:>5} {k:<34} {t * 1e3:>9.1f} {batch / t:>7.1f} "
                       f"{med['torch eager'] / t:>8.2f}x {vs_fp32}")
         if args.profile:
             print_profile(name, args.cache, args.profile, size, args.profile_device)
