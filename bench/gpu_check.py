@@ -1,5 +1,6 @@
-"""One command for a GPU host (`make gpu-check`): the service under wrk, the graphs at batch 256, and the CUDA tests,
-in that order, into bench/results/gpu-<date>-<commit>.txt with the device, date, commit and ONNX Runtime.
+"""One command for a GPU host (`make gpu-check`): the service under wrk, a profile of it, the graphs at batch 256, and
+the CUDA tests, in that order, into bench/results/gpu-<date>-<commit>.txt with the device, date, commit and ONNX
+Runtime.
 
     python bench/gpu_check.py --export-cache /tmp/gpu-cache   # on the CPU host: the graphs it needs, into a cache
     python bench/gpu_check.py --cache /tmp/gpu-cache          # on the GPU host: about 5 minutes on an H100
@@ -11,6 +12,9 @@ service: `python -m service` (the backend it picks: process on CUDA) serving Dei
          /v2 UINT8 binary tensors of 1 and 8 images, at each connection count: images/s, p50/p99, errors (non-2xx
          among them), the GPU's utilisation (NVML, sampled through the measured window) and the host's busy cores
          (/proc/stat: wrk's included).
+profile: py-spy (--subprocesses) on the service through one level each of /classify 1 JPEG and /v2 8 images at the
+         largest connection count, GPU decoding off: each process's busy threads and its busiest leaf frames (where
+         the time goes when a target is missed).
 graphs:  bench/gpu.py --parts graphs --models deit_tiny_patch16_224 --batches 256 --cache DIR (it exports nothing
          on a host whose torch cannot: a missing graph stops it with the command that makes it).
 tests:   python -m pytest -q tests/test_gpu.py tests/test_gpu_decode.py.
@@ -22,9 +26,11 @@ import argparse
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -45,7 +51,7 @@ from repository import read_entry  # noqa: E402
 from service.runtime import CUDA, choose_device  # noqa: E402
 
 MODEL = "deit_tiny_patch16_224"
-PARTS = ["service", "graphs", "tests"]
+PARTS = ["service", "profile", "graphs", "tests"]
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -139,15 +145,22 @@ class Usage:
         return f"{sum(self.samples) / len(self.samples):.0f}/{max(self.samples)}"
 
 
-def service(report: Report, cache: Path, cuda: bool, clients: list[int], seconds: int, max_batch: int) -> None:
-    from gpu import export, repository_of
+def served(cache: Path, cuda: bool) -> tuple[list[Path], dict[str, wrk.Request]]:
+    """The model's repository folders (its fp16 sibling on CUDA) and the requests the levels post."""
+    from gpu import export
     folders = [export(cache, MODEL)] + ([export(cache, MODEL, "fp16")] if cuda else [])
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
     pixels = model_pixels(folders[0], jpeg)
     images = read_entry(folders[0]).manifest["input"]["name"]
     requests = {f"/classify {n} JPEG": wrk.classify_request(jpeg, n, query=f"model={MODEL}&top_k=1") for n in (1, 8)}
     requests |= {f"/v2 UINT8 {n} img": wrk.v2_request(MODEL, images, pixels[None].repeat(n, 0)) for n in (1, 8)}
-    threads = max(1, min(4, (os.cpu_count() or 1) // 4))
+    return folders, requests
+
+
+def service(report: Report, cache: Path, cuda: bool, clients: list[int], seconds: int, max_batch: int) -> None:
+    from gpu import repository_of
+    folders, requests = served(cache, cuda)
+    threads = wrk_threads()
     settings = {"max_batch_size": max_batch, "queue_limit": 4096, "access_log": False}
     report(f"{MODEL} ({'fp16 sibling on CUDA' if cuda else 'fp32 on the CPU'}), settings {settings}; wrk "
            f"threads {threads}, 1 s warm-up + {seconds} s per level; GPU % = NVML utilisation mean/max, "
@@ -158,10 +171,10 @@ def service(report: Report, cache: Path, cuda: bool, clients: list[int], seconds
     with repository_of(folders) as repo:
         for gpu_decode in [True, False] if cuda else [False]:
             with running_service(model_repository=repo, gpu_decode=gpu_decode, **settings) as url:
-                served = httpx.get(f"{url}/models", timeout=10).json()["models"]
+                models = httpx.get(f"{url}/models", timeout=10).json()["models"]
                 report(f"\nGPU decoding {'on' if gpu_decode else 'off'}; /models: " + "; ".join(
                     f"{m['name']}: {m['precision']} on {m['provider']}, decode {m['decode']}"
-                    + (f" ({m['decode_reason']})" if m.get("decode_reason") else "") for m in served))
+                    + (f" ({m['decode_reason']})" if m.get("decode_reason") else "") for m in models))
                 report(f"{'route':<18} {'conns':>5} {'img/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors (non-2xx)':>16} "
                        f"{'GPU %':>7} {'cores':>5}")
                 for label, request in requests.items():
@@ -178,6 +191,71 @@ def service(report: Report, cache: Path, cuda: bool, clients: list[int], seconds
                             report(f"{label:<18} {c:>5} FAILED: {type(e).__name__}: {' '.join(str(e).split())}")
     if failed:
         raise PartFailed(f"{failed} level(s) failed")
+
+
+def wrk_threads() -> int:
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+# a profiled thread's leaf frame that is a wait, not work: idle pool threads, event loops, locks
+WAITS = ("_worker (concurrent", "EpollSelector.select", "Runner.run (asyncio", "wait (threading", "Condition.wait")
+
+
+def busy_threads(stacks: str, seconds: float, rate: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """py-spy's raw (collapsed) stacks of a server and its subprocesses as (process, threads busy, its busiest
+    leaf frames with their share), the busiest process first."""
+    busy: dict[str, dict[str, int]] = {}
+    roles: dict[str, str] = {}
+    for line in stacks.splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        pid = (frames[1] if frames[1].startswith("process ") else frames[0]).split(":")[0]
+        for role, entry in (("inference", "inference_main"), ("HTTP worker", "worker_main")):
+            if entry in stack:
+                roles[pid] = role
+        if count.isdigit() and not frames[-1].startswith(WAITS):
+            leaves = busy.setdefault(pid, {})
+            leaves[frames[-1]] = leaves.get(frames[-1], 0) + int(count)
+    busy = {f"{pid} ({roles[pid]})" if pid in roles else pid: leaves for pid, leaves in busy.items()}
+    rows = [(key, sum(leaves.values()) / (seconds * rate),
+             [(leaf, n / sum(leaves.values())) for leaf, n in sorted(leaves.items(), key=lambda x: -x[1])[:5]])
+            for key, leaves in busy.items()]
+    return sorted(rows, key=lambda row: -row[1])
+
+
+def profile(report: Report, cache: Path, cuda: bool, clients: int, seconds: int, max_batch: int) -> None:
+    """py-spy on the service (and its subprocesses) through one level each of /classify with 1 JPEG (GPU decoding
+    off) and /v2 with 8 images: where each process's threads are busy, the busiest first."""
+    from gpu import repository_of
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy is None:
+        raise PartFailed(report("py-spy is not installed here (pip install py-spy): not run") or "no py-spy")
+    folders, requests = served(cache, cuda)
+    rate = 50
+    report(f"py-spy record --subprocesses -r {rate} -f raw, {seconds} s within a {seconds + 1} s level at {clients} "
+           f"connections, max batch {max_batch}, GPU decoding off; threads busy = samples not waiting / "
+           f"({seconds} s x {rate}/s)")
+    with repository_of(folders) as repo, running_service(model_repository=repo, gpu_decode=False,
+                                                         max_batch_size=max_batch, queue_limit=4096,
+                                                         access_log=False) as url:
+        port = url.rsplit(":", 1)[1]
+        server = output("pgrep", "-f", "--", f"-m service --port {port}").split()[0]
+        for label in ("/classify 1 JPEG", "/v2 UINT8 8 img"):
+            wrk.run(url, requests[label], clients, 1, wrk_threads())
+            with tempfile.NamedTemporaryFile(suffix=".txt") as out:
+                recording = subprocess.Popen([spy, "record", "--subprocesses", "-r", str(rate), "-d", str(seconds),
+                                              "-f", "raw", "-o", out.name, "-p", server], stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.STDOUT)
+                f = wrk.run(url, requests[label], clients, seconds + 1, wrk_threads())
+                recording.wait()
+                stacks = Path(out.name).read_text()
+            rows = busy_threads(stacks, seconds, rate)
+            report(f"\n{label}: {f.images_per_s:,.0f} img/s; {sum(r[1] for r in rows):.1f} threads busy in "
+                   f"{len(rows)} processes")
+            for key, threads, leaves in rows[:3]:
+                report(f"  {key}: {threads:.2f} threads busy")
+                for leaf, share in leaves:
+                    report(f"    {share:4.0%}  {leaf}")
 
 
 def logged(report: Report, argv: list[str], timeout: float) -> None:
@@ -240,6 +318,7 @@ def main() -> None:
            f"providers {', '.join(ort.get_available_providers())}; cache {args.cache}")
     parts: dict[str, Callable[[], None]] = {
         "service": lambda: service(report, args.cache, cuda, clients, seconds, args.max_batch_size),
+        "profile": lambda: profile(report, args.cache, cuda, clients[-1], seconds, args.max_batch_size),
         "graphs": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "graphs", "--models", MODEL,
                                           "--batches", "256", "--cache", str(args.cache), *rounds], 240),
         "tests": lambda: logged(report, [sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py",

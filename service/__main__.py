@@ -11,6 +11,7 @@ import uvicorn
 
 from repository import RepositoryError, servable
 
+from .http_server import server_options
 from .runtime import CUDA, choose_device
 from .settings import Settings
 
@@ -51,8 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {e}") from None
     # uvicorn raises the SIGTERM it drained on again once done: a drain that finished is a clean exit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=settings.access_log,
-                timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
+    uvicorn.run(app, host=args.host, port=args.port, **server_options(settings, args.log_level))
 
 
 if __name__ == "__main__":

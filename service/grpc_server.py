@@ -24,8 +24,8 @@ import numpy as np
 
 from .errors import BadInput, Forbidden, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
 from .metrics import Metrics
-from .open_inference import (check_load_parameters, find_model, input_batch, input_dtype, model_outputs,
-                             repository_index, require_model_control, served_metadata)
+from .open_inference import (check_load_parameters, find_model, model_inputs, model_outputs, repository_index,
+                             require_model_control, served_metadata)
 from .pipeline import Pipelines
 from .protocol import open_inference_pb2 as pb
 from .settings import Settings
@@ -196,11 +196,13 @@ class InferenceService:
 
     async def infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         pipeline = self.pipelines.get(request.model_name, version=request.model_version)
-        if len(request.inputs) != 1:
-            raise BadInput(f"{len(request.inputs)} input tensors; send exactly one, `images` or `pixel_values`")
-        tensor, shape = request.inputs[0], list(request.inputs[0].shape)
-        dtype = input_dtype(pipeline, tensor.name, tensor.datatype, shape)
-        out = await pipeline.tensors(input_batch(tensor_values(request, dtype), shape))
+        raw = request.raw_input_contents
+        if raw and len(raw) != len(request.inputs):
+            raise BadInput(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: send one per input, "
+                           "in the inputs' order, or none (typed contents)")
+        tensors = [(t.name, t.datatype, list(t.shape)) for t in request.inputs]
+        images, pixels = model_inputs(pipeline, tensors, lambda i, dtype: tensor_values(request, i, dtype))
+        out = await pipeline.tensors(images, pixels)
         outputs = model_outputs(pipeline, out.fields, [o.name for o in request.outputs])
         response = pb.ModelInferResponse(model_name=pipeline.name, model_version=str(pipeline.entry.version),
                                          id=request.id)
@@ -210,11 +212,15 @@ class InferenceService:
         return response
 
 
-def tensor_values(request: pb.ModelInferRequest, dtype: np.dtype) -> np.ndarray:
-    """The one input's values, flat: from `raw_input_contents` (little-endian bytes) or its typed `contents`."""
+def tensor_values(request: pb.ModelInferRequest, i: int, dtype: np.dtype) -> np.ndarray:
+    """Input i's values, flat: from `raw_input_contents` (little-endian bytes) or its typed `contents`."""
     if request.raw_input_contents:
-        return np.frombuffer(request.raw_input_contents[0], dtype)
-    contents = request.inputs[0].contents
+        try:
+            return np.frombuffer(request.raw_input_contents[i], dtype)
+        except ValueError:  # not a whole number of values
+            raise BadInput(f"input {request.inputs[i].name!r}: {len(request.raw_input_contents[i])} bytes are no "
+                           f"whole number of {dtype.itemsize}-byte values") from None
+    contents = request.inputs[i].contents
     if dtype == np.uint8:
         values = np.asarray(contents.uint_contents, np.uint32)
         if values.size and values.max() > 255:

@@ -4,7 +4,9 @@ import asyncio
 import contextlib
 import hmac
 import time
+import zlib
 
+from .errors import BadInput
 from .http_errors import error_response
 from .metrics import Metrics
 
@@ -13,9 +15,18 @@ class _BodyTooLarge(Exception):
     pass
 
 
+# Content-Encodings of request bodies, as Triton takes them (tritonclient.http's request_compression_algorithm):
+# zlib's window bits for each. HTTP's "deflate" is the zlib format (RFC 9110), as tritonclient sends it.
+DECODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
 class BodyLimit:
     """413 for request bodies over the limit: at once from Content-Length, else while the body streams in,
     so an oversized upload is never buffered whole.
+
+    A body sent with `Content-Encoding: gzip` or `deflate` is decompressed as it streams in, and its decompressed
+    size is what counts: zlib is never asked for more than the limit's worth, so a decompression bomb costs
+    nothing beyond it. Any other coding is a 415; a corrupt or cut compressed body, a 400.
 
     An answer given before the body was read (this 413, a 401 or 404 that needs no body) is followed by a
     lingering close, as nginx calls it: the rest of the body is read and dropped, for at most LINGER_S seconds
@@ -30,26 +41,33 @@ class BodyLimit:
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
-    def too_large(self, path: str):
-        return error_response(413, "too_large", f"the request body is over the {self.max_bytes}-byte limit",
-                              path=path)
+    def too_large(self, path: str, decompressed: bool = False):
+        body = "the request body, decompressed," if decompressed else "the request body"
+        return error_response(413, "too_large", f"{body} is over the {self.max_bytes}-byte limit", path=path)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
-        received, read, started = 0, False, False
+        received, sent_bytes, read, started = 0, 0, False, False
         ended = length in (None, b"0") and b"transfer-encoding" not in headers  # no body at all
         expects_continue = headers.get(b"expect", b"").lower() == b"100-continue"
+        coding = headers.get(b"content-encoding", b"").strip().lower().decode("latin-1")
+        decoder = zlib.decompressobj(DECODINGS[coding]) if coding in DECODINGS else None
+        path = scope.get("path", "")
 
         async def limited_receive():
-            nonlocal received, read, ended
+            nonlocal received, sent_bytes, read, ended
             read = True
             message = await receive()
-            received += len(message.get("body", b""))
             ended = message["type"] != "http.request" or not message.get("more_body", False)
-            if received > self.max_bytes:
+            if decoder is not None and message["type"] == "http.request":
+                sent_bytes += len(message.get("body", b""))  # compressed, it is bounded too
+                message = {**message, "body": _decompress(decoder, message.get("body", b""),
+                                                          self.max_bytes - received, ended)}
+            received += len(message.get("body", b""))
+            if max(received, sent_bytes) > self.max_bytes:
                 raise _BodyTooLarge
             return message
 
@@ -65,12 +83,16 @@ class BodyLimit:
 
         try:
             if length is not None and length.isdigit() and int(length) > self.max_bytes:
-                await self.too_large(scope.get("path", ""))(scope, receive, lingering_send)
+                await self.too_large(path)(scope, receive, lingering_send)
+            elif decoder is None and coding not in ("", "identity") and not ended:
+                await error_response(415, "unsupported_media_type", f"Content-Encoding {coding!r}: this server "
+                                     f"takes {', '.join(DECODINGS)} or none", path=path)(scope, receive,
+                                                                                         lingering_send)
             else:
-                await self.app(scope, limited_receive, lingering_send)
+                await self.app(scope if decoder is None else _decoded(scope), limited_receive, lingering_send)
         except _BodyTooLarge:
             if not started:
-                await self.too_large(scope.get("path", ""))(scope, receive, lingering_send)
+                await self.too_large(path, decoder is not None)(scope, receive, lingering_send)
 
     async def _discard(self, receive) -> None:
         """Read the request's body to its end, within the bounds."""
@@ -84,13 +106,33 @@ class BodyLimit:
                         return
 
 
+def _decoded(scope: dict) -> dict:
+    """The request as the app sees it once its body is decompressed: no coding, and no length (unknown)."""
+    return {**scope, "headers": [(k, v) for k, v in scope["headers"] if k not in (b"content-encoding",
+                                                                                   b"content-length")]}
+
+
+def _decompress(decoder, data: bytes, room: int, last: bool) -> bytes:
+    """The next piece of a compressed body, at most room + 1 bytes (one past the limit says it is over, and a
+    bomb is never inflated further). A corrupt or cut body, or one with data after its end, is a BadInput."""
+    try:
+        out = decoder.decompress(data, room + 1)
+    except zlib.error as e:
+        raise BadInput(f"the compressed request body is corrupt: {e}") from None
+    if decoder.unused_data:  # not kept: it would grow with whatever follows
+        raise BadInput("the compressed request body has data after its end")
+    if last and not decoder.eof and len(out) <= room:
+        raise BadInput("the compressed request body is cut short")
+    return out
+
+
 class ApiKey:
     """401 unless the request's X-API-Key header holds the key (compared in constant time), on every route but
     the open ones: health, metrics, the API docs, the index and the v2 server metadata. New routes are closed
     until opened here."""
 
     OPEN_PREFIXES = ("/health/", "/v2/health/", "/metrics", "/docs", "/redoc", "/openapi.json")
-    OPEN_PATHS = ("/", "/v2")
+    OPEN_PATHS = ("/", "/v2", "/v2/")  # /v2/ is /v2 (routers/kserve.py)
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()

@@ -1,13 +1,16 @@
 """The Open Inference Protocol (KServe v2) apart from its transport: which model a request names, the model's
-metadata, a request's one input batch checked against it, and the model repository extension. The REST routes
+metadata, a request's inputs checked against it, and the model repository extension. The REST routes
 (routers/kserve.py, routers/repository.py) and the gRPC service (grpc_server.py) speak it over the same
 pipelines.
 
-One input per request, either of the graph's two:
-  pixel_values  FP32 [B, 3, H, W], already normalised, (x / 255 - mean) / std;
-  images        UINT8 [B, H, W, 3], pixels at the input size: a quarter of the bytes, normalised in the graph.
-FP32 input must be finite: NaN, infinity or a value past FP32's range (1e39) is a BadInput.
+What model metadata lists is what a request may send: the graph's two inputs, each at most once,
+  images        UINT8 [B1, H, W, 3], pixels at the input size: a quarter of the bytes, normalised in the graph;
+  pixel_values  FP32 [B2, 3, H, W], already normalised, (x / 255 - mean) / std.
+Either may be left out or sent empty (batch 0), not both; a client that sends every listed input gets what the
+graph computes for them: B1 + B2 rows of every output, the images' first. FP32 input must be finite: NaN,
+infinity or a value past FP32's range (1e39) is a BadInput.
 """
+from collections.abc import Callable
 from functools import cache
 
 import numpy as np
@@ -36,7 +39,7 @@ def served_metadata(pipelines: Pipelines, name: str, version: str | None) -> dic
 
 @cache  # read on every infer request; the same for the pipeline's lifetime
 def model_metadata(pipeline: Pipeline) -> dict:
-    """The model's inputs (send one of them) and outputs."""
+    """The model's inputs (a request sends either or both) and outputs."""
     m = pipeline.entry.manifest
     h, w = m["input"]["size"]
     return {
@@ -56,7 +59,7 @@ def input_dtype(pipeline: Pipeline, name: str, datatype: str, shape: list[int]) 
     if wanted is None or wanted["datatype"] != datatype:
         raise BadInput(f"input {name!r} {datatype}; this model takes "
                        + " or ".join(f"{i['name']!r} {i['datatype']} {i['shape']}" for i in inputs))
-    if len(shape) != 4 or shape[1:] != wanted["shape"][1:] or shape[0] < 1:
+    if len(shape) != 4 or shape[1:] != wanted["shape"][1:] or shape[0] < 0:
         raise BadInput(f"input shape {shape}; this model takes {wanted['shape']} for {datatype}")
     return DATATYPES[datatype]
 
@@ -69,6 +72,29 @@ def input_batch(data: np.ndarray, shape: list[int]) -> np.ndarray:
     if data.dtype.kind == "f" and not np.isfinite(data).all():
         raise BadInput("input has values that are not finite (NaN, infinity, or past FP32's range)", "non_finite")
     return data.reshape(shape)
+
+
+Tensor = tuple[str, str, list[int]]  # a request's input: name, datatype, shape
+
+
+def model_inputs(pipeline: Pipeline, tensors: list[Tensor], values: Callable[[int, np.dtype], np.ndarray]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """A request's inputs as the graph's two batches (uint8 images, float pixel_values), an input not sent as an
+    empty batch. `values(i, dtype)`: input i's flat values, as its transport carries them, read once its name,
+    datatype and shape are checked."""
+    if not tensors:
+        raise BadInput("no input tensors; send `images` UINT8, `pixel_values` FP32, or both")
+    seen: set[str] = set()
+    for name, _, _ in tensors:
+        if name in seen:
+            raise BadInput(f"input {name!r} sent twice; send each input at most once")
+        seen.add(name)
+    batches = {name: input_batch(values(i, input_dtype(pipeline, name, datatype, shape)), shape)
+               for i, (name, datatype, shape) in enumerate(tensors)}
+    m = pipeline.entry.manifest
+    h, w = m["input"]["size"]
+    return (batches.get(m["input"]["name"], np.zeros((0, h, w, 3), np.uint8)),
+            batches.get(m["tensor_input"]["name"], np.zeros((0, 3, h, w), np.float32)))
 
 
 def model_outputs(pipeline: Pipeline, fields: dict[str, np.ndarray], asked: list[str]) -> dict[str, np.ndarray]:

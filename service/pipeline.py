@@ -123,24 +123,47 @@ class Pipeline:
                               "aligned face crops with detect=false", "face_detection_unavailable")
         return self.detector
 
-    async def tensors(self, x: np.ndarray) -> Results:
-        """Preprocessed inputs (KServe v2): float [n, 3, H, W] normalised pixels, or uint8 [n, H, W, 3] images."""
-        kind = "image" if x.dtype == np.uint8 else "tensor"  # the record field is named as its kind
+    async def tensors(self, images: np.ndarray, pixels: np.ndarray) -> Results:
+        """Preprocessed inputs (KServe v2): uint8 [B1, H, W, 3] images and float [B2, 3, H, W] normalised pixels,
+        either of them empty; the results' rows are the images' then the pixels', as the graph gives them. Each
+        kind goes to the batcher as records of its own (one entry each, queued in the same turn of the loop, so
+        they usually share a batch); the request counts B1 + B2 images against the queue limit."""
+        batches = [(kind, x) for kind, x in (("image", images), ("tensor", pixels)) if len(x)]
+        if not batches:
+            raise BadInput("no images to run: every input's batch is empty (shape [0, ...]); send at least one")
+        self._check_count(len(images) + len(pixels))
 
-        def fill(records: np.ndarray) -> tuple[list[float], None]:
-            records[kind] = x  # one copy of the batch, nothing to decode: not worth a thread hop
-            return [0.0] * len(x), None
+        def filler(kind: str, x: np.ndarray):
+            def fill(records: np.ndarray) -> tuple[list[float], None]:
+                records[kind] = x  # one copy of the batch, nothing to decode: not worth a thread hop
+                return [0.0] * len(x), None
+            return fill
 
-        return await self._run(kind, len(x), fill, 1, False, in_pool=False)
+        runs = [asyncio.ensure_future(self._run(kind, len(x), filler(kind, x), 1, False, in_pool=False))
+                for kind, x in batches]
+        try:
+            done = await asyncio.gather(*runs)
+        except BaseException:  # one failed (overloaded, say) or the client left: the other leaves the queue too
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+            raise
+        if len(done) == 1:
+            return done[0]
+        return Results({name: np.concatenate([out.fields[name] for out in done]) for name in done[0].fields},
+                       [ms for out in done for ms in out.decode_ms])
+
+    def _check_count(self, n: int) -> None:
+        if n > self.settings.queue_limit:  # it would never fit: retrying later (503) cannot help
+            raise TooLarge(f"{n} images in one request; this model's queue holds {self.settings.queue_limit} "
+                           "(VITSERVE_QUEUE_LIMIT), so send at most that many at once", "too_many_images")
 
     async def _run(self, kind: str, n: int, fill, top_k: int, keep: bool, in_pool: bool = True,
                    jpegs: list[bytes] | None = None) -> Results:
         """Fill n records (in the decode pool), run them, and copy the results out."""
         if n == 0:
             return Results({}, [])
-        if n > self.settings.queue_limit:  # it would never fit: retrying later (503) cannot help
-            raise TooLarge(f"{n} images in one request; this model's queue holds {self.settings.queue_limit} "
-                           "(VITSERVE_QUEUE_LIMIT), so send at most that many at once", "too_many_images")
+        self._check_count(n)
 
         def fill_and_run(records: np.ndarray) -> tuple[list[float], list[Photo] | None, bool]:
             """In the decode pool: fill the records, and run them there too where the model is idle (a lone

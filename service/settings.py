@@ -43,6 +43,8 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field([], description='origins whose browser pages may call the API, e.g. '
                                                     '["https://app.example.com"] or ["*"] (default: none)')
     max_upload_bytes: int = Field(16 * 2**20, ge=1, description="request body limit; larger requests get 413")
+    max_json_bytes: int = Field(4 * 2**20, ge=1, description="limit of a /v2 request's JSON (413 past it): larger "
+                                                            "tensors travel in binary (the binary tensor extension)")
     max_image_pixels: int = Field(50_000_000, ge=1, description="decoded image size limit (decompression bombs)")
     max_files: int = Field(64, ge=1, description="images per /classify request")
     providers: list[str] | None = Field(None, description="ONNX Runtime providers to try, best first "
@@ -57,8 +59,10 @@ class Settings(BaseSettings):
     iobinding: bool = Field(False, description="on the CPU too, run every batch through ONNX Runtime's IOBinding "
                                               "with reused batch buffers, as CUDA always does: a host without a "
                                               "GPU (CI) then exercises the device path")
-    gpu_decode: bool = Field(True, description="on CUDA, decode JPEGs on the GPU with nvImageCodec, in batches, "
-                                               "where it and CuPy are installed (the `gpu` extra); else Pillow")
+    gpu_decode: bool = Field(False, description="on CUDA, decode JPEGs on the GPU with nvImageCodec, in batches, "
+                                                "where it and CuPy are installed (the `gpu` extra); else Pillow. Off "
+                                                "by default: on an H100 it served /classify 2.3-3.8x slower than the "
+                                                "CPU's decoding (docs/performance.md, the GPU check)")
     intra_op_threads: int = Field(0, ge=0, description="threads per inference (0: one per core)")
     decode_threads: int = Field(0, ge=0, description="image-decoding threads (0: one per core, at most 8)")
     spin_wait: bool = Field(True, description="on the CPU, ONNX Runtime's threads spin while a batch runs, never "

@@ -23,6 +23,7 @@ from prometheus_client import multiprocess
 from .app import create_app
 from .backends import server
 from .backends.process import ProcessBackend
+from .http_server import server_options
 from .settings import Settings
 
 log = logging.getLogger("vitserve")
@@ -65,8 +66,7 @@ def worker_main(settings: Settings, sock: socket.socket, socket_path: Path, log_
     name_process(ROLES[1])
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s worker %(process)d: %(message)s")
     app = create_app(settings, ProcessBackend(settings, socket_path), grpc_shared_port=True)
-    config = uvicorn.Config(app, log_level=log_level, access_log=settings.access_log,
-                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
+    config = uvicorn.Config(app, **server_options(settings, log_level))
     uvicorn.Server(config).run(sockets=[sock])
 
 

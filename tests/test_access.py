@@ -29,7 +29,7 @@ CLOSED = [("POST", "/classify", {"files": {"file": ("a.jpg", JPEG)}}),
           ("POST", "/attention-map", {"files": {"file": ("a.jpg", JPEG)}}),
           ("GET", "/attention-map?id=0", {}), ("GET", "/models", {}), ("GET", "/v2/models/shapes-vit", {}),
           ("GET", "/v2/models/shapes-vit/ready", {}), ("POST", "/v2/models/shapes-vit/infer", {"json": {}})]
-OPEN = ["/health/live", "/health/ready", "/metrics", "/docs", "/openapi.json", "/v2", "/v2/health/ready", "/"]
+OPEN = ["/health/live", "/health/ready", "/metrics", "/docs", "/openapi.json", "/v2", "/v2/", "/v2/health/ready", "/"]
 
 
 @pytest.mark.parametrize("method, path, kwargs", CLOSED, ids=[f"{m} {p}" for m, p, _ in CLOSED])
@@ -50,6 +50,9 @@ def test_with_the_key_every_route_serves_and_health_metrics_and_docs_need_none(u
     assert request(url, "GET", "/v2/models/shapes-vit", KEY).json()["name"] == "shapes-vit"
     for path in OPEN:
         assert request(url, "GET", path).status_code == 200, path
+    # /v2/ is /v2 itself, not a redirect to it, and open as it is
+    assert request(url, "GET", "/v2/").json() == request(url, "GET", "/v2").json()
+    assert request(url, "HEAD", "/v2/").status_code == request(url, "HEAD", "/v2").status_code
 
 
 def test_cors_lets_the_configured_origin_call_with_the_key_and_no_other(url):

@@ -1,25 +1,34 @@
 """A careless or unfriendly client's mistakes, on both backends: each gets a 4xx JSON answer the client can read
 (never a 5xx, a reset connection or a body that is not JSON), and the server serves right after."""
+import contextlib
+import gzip
 import json
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Iterable
 
 import httpx
 import numpy as np
 import pytest
+import tritonclient.http as triton_http
 from service_process import photo_bytes, running_service
+from tritonclient.utils import InferenceServerException
 
 KEY = {"X-API-Key": "secret"}
 LIMIT = 2_000_000
+JSON_LIMIT = 1_500_000
 INFER = "/v2/models/shapes-vit/infer"
 JPEG = photo_bytes("chelsea", "JPEG")
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])
 def url(request):
-    with running_service(backend=request.param, workers=2, max_upload_bytes=LIMIT, api_key="secret") as base:
+    with running_service(backend=request.param, workers=2, max_upload_bytes=LIMIT, max_json_bytes=JSON_LIMIT,
+                         api_key="secret") as base:
         yield base
 
 
@@ -127,4 +136,103 @@ def test_a_client_that_expects_100_continue_is_refused_before_it_sends_anything(
                                f"Content-Type: image/jpeg\r\nContent-Length: {10 * LIMIT}\r\n"
                                f"Expect: 100-continue\r\n")
     assert answer.startswith(b"HTTP/1.1 413") and b'"too_large"' in answer, answer[:300]
+    serves(url)
+
+
+def triton_inputs(n: int, binary: bool, scale: float = 1.0) -> list[triton_http.InferInput]:
+    """`images` and `pixel_values`, n random images each (all zeros with `scale` 0), as tritonclient.http's
+    inputs."""
+    rng = np.random.default_rng(n)
+    values = ((rng.integers(0, 256, (n, 96, 96, 3)) * scale).astype(np.uint8),
+              (rng.standard_normal((n, 3, 96, 96)) * scale).astype(np.float32))
+    tensors = [triton_http.InferInput("images", [n, 96, 96, 3], "UINT8"),
+               triton_http.InferInput("pixel_values", [n, 3, 96, 96], "FP32")]
+    for tensor, value in zip(tensors, values):
+        tensor.set_data_from_numpy(value, binary_data=binary)
+    return tensors
+
+
+def test_a_gzip_or_deflate_body_is_read_as_triton_reads_it_and_its_decompressed_size_is_bounded(url):
+    with triton_http.InferenceServerClient(url.removeprefix("http://")) as client:
+        for binary in (True, False):
+            want = client.infer("shapes-vit", triton_inputs(2, binary), headers=dict(KEY)).as_numpy("logits")
+            for algorithm in ("gzip", "deflate"):
+                got = client.infer("shapes-vit", triton_inputs(2, binary), headers=dict(KEY),
+                                   request_compression_algorithm=algorithm).as_numpy("logits")
+                np.testing.assert_array_equal(got, want)
+        # a few kB compressed, over the limit once decompressed (5.5 MB of binary zeros): 413, as if sent plain
+        with pytest.raises(InferenceServerException) as e:
+            client.infer("shapes-vit", triton_inputs(40, True, scale=0), headers=dict(KEY),
+                         request_compression_algorithm="gzip")
+        assert e.value.status() == "413" and "decompressed" in e.value.message()
+    bomb = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)  # 256 MiB of zeros in 250 KB of gzip
+    body = b"".join(bomb.compress(bytes(2**20)) for _ in range(256)) + bomb.flush()
+    assert len(body) < LIMIT
+    r = httpx.post(f"{url}/classify", content=body, timeout=30,
+                   headers={**KEY, "Content-Encoding": "gzip", "Content-Type": "multipart/form-data; boundary=x"})
+    assert r.status_code == 413 and "decompressed" in r.json()["error"]["message"], r.text  # memory: test_service_units
+    for coding, status, words in (("br", 415, "Content-Encoding 'br'"), ("gzip", 400, "corrupt")):
+        r = httpx.post(url + INFER, content=fp32_body("0"), headers={**KEY, "Content-Encoding": coding}, timeout=30)
+        assert r.status_code == status and words in r.json()["error"], r.text
+    r = httpx.post(url + INFER, content=gzip.compress(fp32_body("0"))[:-100], timeout=30,
+                   headers={**KEY, "Content-Encoding": "gzip"})
+    assert r.status_code == 400 and "cut short" in r.json()["error"], r.text
+    serves(url)
+
+
+def test_a_multipart_boundary_past_what_the_parser_takes_is_a_400(url):
+    boundary = "b" * 300  # RFC 2046 allows 70; python-multipart refuses past 256 as its parser is made
+    body = f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jpg\"\r\n\r\n".encode()
+    r = httpx.post(f"{url}/classify", content=body + JPEG + f"\r\n--{boundary}--\r\n".encode(), timeout=30,
+                   headers={**KEY, "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text
+    assert "malformed" in r.json()["error"]["message"]
+    serves(url)
+
+
+def test_a_request_head_past_16_kib_is_a_431_and_a_flood_of_one_stalls_no_one(url):
+    host, port = url.removeprefix("http://").split(":")
+    answer = raw_exchange(url, "GET /models HTTP/1.1\r\nHost: x\r\nX-Big: " + "a" * 20000)  # never ends its head
+    assert answer.startswith(b"HTTP/1.1 431 ") and strict_json(answer.partition(b"\r\n\r\n")[2])["error"][
+        "code"] == "headers_too_large", answer[:300]
+    assert httpx.get(f"{url}/models", headers={**KEY, "X-Fine": "a" * 12000}, timeout=30).status_code == 200
+    flooded: list[float] = []
+
+    def flood() -> None:  # a 64 MB header, as fast as loopback takes it: cut off at once
+        start = time.perf_counter()
+        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            for _ in range(64):
+                s.sendall(b"a" * 2**20)
+        flooded.append(time.perf_counter() - start)
+
+    flooder = threading.Thread(target=flood)
+    flooder.start()
+    waits = []
+    while flooder.is_alive() or not waits:
+        start = time.perf_counter()
+        assert httpx.get(f"{url}/health/live", timeout=30).status_code == 200
+        waits.append(time.perf_counter() - start)
+    flooder.join()
+    assert flooded[0] < 2 and max(waits) < 1, (flooded, waits)
+    serves(url)
+
+
+def test_v2_json_past_its_own_limit_is_a_413_that_says_to_send_binary_and_binary_tensors_are_not_bound_by_it(url):
+    too_much = json.dumps({"inputs": [{"name": "images", "shape": [1, 96, 96, 3], "datatype": "UINT8",
+                                       "data": [128] * (JSON_LIMIT // 4)}]}).encode()
+    assert JSON_LIMIT < len(too_much) < LIMIT
+    sized = raw_exchange(url, f"POST {INFER} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-API-Key: secret\r\n"
+                              f"Content-Length: {len(too_much)}\r\n")  # told before a byte of it is sent
+    chunked = urllib_post(url + INFER, (too_much[i:i + 2**16] for i in range(0, len(too_much), 2**16)), {})
+    header = raw_exchange(url, f"POST {INFER} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-API-Key: secret\r\n"
+                               f"Inference-Header-Content-Length: {JSON_LIMIT + 1}\r\n"
+                               f"Content-Length: {JSON_LIMIT + 1}\r\n")
+    for status, answer in ((int(sized[9:12]), sized.partition(b"\r\n\r\n")[2]), chunked,
+                           (int(header[9:12]), header.partition(b"\r\n\r\n")[2])):
+        assert status == 413 and "VITSERVE_MAX_JSON_BYTES" in strict_json(answer)["error"], answer[:300]
+    with triton_http.InferenceServerClient(url.removeprefix("http://")) as client:  # 60 images, 1.66 MB in binary
+        images = triton_http.InferInput("images", [60, 96, 96, 3], "UINT8")
+        images.set_data_from_numpy(np.zeros((60, 96, 96, 3), np.uint8))
+        assert client.infer("shapes-vit", [images], headers=dict(KEY)).as_numpy("logits").shape == (60, 6)
     serves(url)

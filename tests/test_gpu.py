@@ -156,7 +156,7 @@ def test_jpegs_decoded_on_the_gpu_answer_as_pillow_decoded_ones():
 def test_the_service_decodes_jpegs_on_the_gpu_where_it_can():
     pytest.importorskip("cupy", reason="GPU decoding needs CuPy (the `gpu` extra)")
     pytest.importorskip("nvidia.nvimgcodec", reason="GPU decoding needs nvImageCodec (the `gpu` extra)")
-    with running_service() as url:
+    with running_service(gpu_decode="true") as url:
         models = {m["name"]: m for m in httpx.get(f"{url}/models").json()["models"]}
         assert models["shapes-vit"]["decode"] == "gpu" and models["shapes-vit-int8"]["decode"] == "cpu"
         files = [("files", (f"{i}.jpg", photo_bytes("chelsea", "JPEG"))) for i in range(8)]

@@ -9,6 +9,7 @@ import queue
 import grpc
 import httpx
 import numpy as np
+import onnxruntime as ort
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.http as triton_http
@@ -45,6 +46,11 @@ def images(n: int) -> np.ndarray:
                      for name in ("chelsea", "astronaut", "coffee", "rocket")[:n]])
 
 
+def normalised(x: np.ndarray) -> np.ndarray:
+    return InputPolicy.from_manifest(json.loads((ROOT / "model_repository" / MODEL / "manifest.json").read_text())[
+        "input"]).normalise(x)
+
+
 def infer(client: triton.InferenceServerClient, x: np.ndarray, name: str, outputs: list[str] | None = None,
           model: str = MODEL, headers: dict | None = KEY) -> triton.InferResult:
     tensor = triton.InferInput(name, list(x.shape), "UINT8" if x.dtype == np.uint8 else "FP32")
@@ -65,8 +71,7 @@ def test_both_inputs_give_a_direct_sessions_answers_and_the_rest_routes(served, 
     got = infer(client, x, "images")
     np.testing.assert_allclose(got.as_numpy("logits"), want[0], atol=1e-5)
     assert {o.name for o in got.get_response().outputs} == {"logits", "cls_attention", "dist_attention"}
-    pixels = InputPolicy.from_manifest(json.loads((ROOT / "model_repository" / MODEL / "manifest.json").read_text())[
-        "input"]).normalise(x)
+    pixels = normalised(x)
     only_logits = infer(client, pixels, "pixel_values", outputs=["logits"])
     assert [o.name for o in only_logits.get_response().outputs] == ["logits"]
     np.testing.assert_allclose(only_logits.as_numpy("logits"), want[0], atol=1e-4)
@@ -75,6 +80,71 @@ def test_both_inputs_give_a_direct_sessions_answers_and_the_rest_routes(served, 
         tensor.set_data_from_numpy(x)
         np.testing.assert_array_equal(rest.infer(MODEL, [tensor], headers=dict(KEY)).as_numpy("logits"),
                                       got.as_numpy("logits"))
+
+
+def both_inputs(module, x: np.ndarray, pixels: np.ndarray, binary: bool = True) -> list:
+    """`images` and `pixel_values` as tritonclient's (http or grpc) inputs."""
+    tensors = [module.InferInput("images", list(x.shape), "UINT8"),
+               module.InferInput("pixel_values", list(pixels.shape), "FP32")]
+    for tensor, value in zip(tensors, (x, pixels)):
+        tensor.set_data_from_numpy(value, **({"binary_data": binary} if module is triton_http else {}))
+    return tensors
+
+
+def test_every_input_the_metadata_lists_at_once_gives_the_graphs_rows_images_first(served, client):
+    """A generic client sends every listed input: B1 images and B2 pixel values (either may be empty) get the
+    B1 + B2 rows a plain session computes for both, the images' first, over REST (JSON and binary), ModelInfer
+    and ModelStreamInfer."""
+    photos4 = images(4)
+    x, pixels = photos4[:2], normalised(photos4[2:])  # different photos, so that a swapped row shows
+    session = ort.InferenceSession(ROOT / "model_repository" / MODEL / "model.onnx",
+                                   providers=["CPUExecutionProvider"])
+    listed = [i["name"] for i in client.get_model_metadata(MODEL, headers=dict(KEY), as_json=True)["inputs"]]
+    assert sorted(listed) == ["images", "pixel_values"]
+    cases = [(x, pixels), (x[:0], pixels), (x, pixels[:0])]
+    with triton_http.InferenceServerClient(served[0].removeprefix("http://")) as rest:
+        for images_, pixels_ in cases:
+            want = dict(zip([o.name for o in session.get_outputs()],
+                            session.run(None, {"images": images_, "pixel_values": pixels_})))
+            assert len(want["logits"]) == len(images_) + len(pixels_)
+            answers = [client.infer(MODEL, both_inputs(triton, images_, pixels_), headers=dict(KEY))]
+            answers += [rest.infer(MODEL, both_inputs(triton_http, images_, pixels_, binary), headers=dict(KEY))
+                        for binary in (True, False)]
+            streamed = queue.Queue()
+            client.start_stream(callback=lambda result, error: streamed.put((result, error)), headers=dict(KEY))
+            try:
+                client.async_stream_infer(MODEL, both_inputs(triton, images_, pixels_))
+                result, error = streamed.get(timeout=30)
+            finally:
+                client.stop_stream()
+            assert error is None, error
+            for answer in [*answers, result]:
+                for name, value in want.items():
+                    np.testing.assert_allclose(answer.as_numpy(name), value, atol=1e-4, err_msg=name)
+
+
+def test_inputs_sent_twice_or_no_image_at_all_are_refused_and_both_inputs_count_against_the_queue(served, client):
+    x, pixels = images(1), normalised(images(1))
+    both_empty = both_inputs(triton, x[:0], pixels[:0])
+    twice = both_inputs(triton, x, pixels)[:1] * 2
+    # each within the queue (64 images), together past it: no retry could fit them
+    too_many = both_inputs(triton, np.repeat(x, 40, axis=0), np.repeat(pixels, 40, axis=0))
+    for inputs, code, words in ((both_empty, "INVALID_ARGUMENT", "no images"),
+                                (twice, "INVALID_ARGUMENT", "'images' sent twice"),
+                                (too_many, "RESOURCE_EXHAUSTED", "80 images")):
+        status, message = status_of(lambda: client.infer(MODEL, inputs, headers=dict(KEY)))
+        assert status == f"StatusCode.{code}" and words in message, (status, message)
+    rest_cases = ((both_inputs(triton_http, x[:0], pixels[:0]), 400, "no images"),
+                  (both_inputs(triton_http, x, pixels)[:1] * 2, 400, "'images' sent twice"),
+                  (both_inputs(triton_http, np.repeat(x, 40, axis=0), np.repeat(pixels, 40, axis=0)), 413,
+                   "80 images"))
+    with triton_http.InferenceServerClient(served[0].removeprefix("http://")) as rest:
+        for inputs, code, words in rest_cases:
+            with pytest.raises(InferenceServerException) as e:
+                rest.infer(MODEL, inputs, headers=dict(KEY))
+            assert e.value.status() == str(code) and words in e.value.message(), e.value
+        assert rest.infer(MODEL, both_inputs(triton_http, x, pixels), headers=dict(KEY)).as_numpy("logits").shape == (
+            2, 6)  # and it serves on
 
 
 def test_health_and_metadata_as_the_rest_routes_say(served, client):

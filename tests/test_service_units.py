@@ -8,6 +8,8 @@ import logging
 import subprocess
 import sys
 import time
+import tracemalloc
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from PIL import Image
+from starlette.responses import PlainTextResponse
 from service_process import run_graph
 from skimage import data as photos
 
@@ -26,6 +29,7 @@ from service.cache import AttentionCache, AttentionRecord
 from service.decode import decode, model_input
 from service.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
 from service.metrics import Metrics
+from service.middleware import BodyLimit
 from service.records import Part, host_inputs, record_dtype, spans, top_k, write_results
 from service.runtime import CPU, CUDA, Runner, graph_batches, open_session, serving_plan
 
@@ -477,3 +481,33 @@ def test_export_and_the_repository_contract_never_load_the_web_stack():
             assert name not in WEB, f"{path}: {name}"
     assert loaded_after("import export.pipeline, export.__main__", WEB) == []
     assert loaded_after("import repository", (*WEB, "torch")) == []
+
+
+def test_a_gzip_bomb_is_inflated_no_further_than_the_body_limit():
+    """256 MiB of zeros in 250 kB of gzip, through BodyLimit to an app that reads the whole body: it is given at
+    most the limit and one byte, the 413 goes out, and memory never holds the bomb."""
+    limit, packer = 2**20, zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    bomb = b"".join(packer.compress(bytes(2**20)) for _ in range(256)) + packer.flush()
+    chunks = [bomb[i:i + 65536] for i in range(0, len(bomb), 65536)]
+    given, sent = [], []
+
+    async def app(scope, receive, send):
+        while (message := await receive())["more_body"]:
+            given.append(len(message["body"]))
+        await PlainTextResponse("read it all")(scope, receive, send)
+
+    async def receive():
+        return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks[1:])} if chunks else {
+            "type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v2/models/m/infer",
+             "headers": [(b"content-encoding", b"gzip"), (b"content-length", str(len(bomb)).encode())]}
+    tracemalloc.start()
+    asyncio.run(BodyLimit(app, limit)(scope, receive, send))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert sum(given) <= limit + 1 and peak < 8 * limit, (sum(given), peak)
+    assert sent[0]["status"] == 413 and b"decompressed" in sent[1]["body"]

@@ -8,7 +8,9 @@ Outputs (logits and attention outputs) come back as JSON, or as binary where the
 Every answer is strict JSON: FP32 input that is not finite (NaN, infinity, or past FP32's range, as 1e39) is a
 400, and an output value that is not finite (a model can overflow on huge finite input) is written as null.
 """
+import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
 from typing import Any
 
@@ -16,8 +18,8 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field, ValidationError
 
-from ..errors import BadInput
-from ..open_inference import find_model, input_batch, input_dtype, model_outputs, served_metadata
+from ..errors import BadInput, TooLarge
+from ..open_inference import find_model, model_inputs, model_outputs, served_metadata
 from ..pipeline import Pipeline, Pipelines
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
@@ -60,12 +62,35 @@ class RequestParameters(BaseModel):
 class InferenceRequest(BaseModel):
     """The request's JSON (the binary tensors that may follow it are not part of it)."""
     id: str | None = None
-    inputs: list[RequestInput] = Field(min_length=1, max_length=1)
+    inputs: list[RequestInput] = Field(min_length=1)
     outputs: list[RequestOutput] | None = None
     parameters: RequestParameters = RequestParameters()
 
 
-def _json_end(body: bytes, header_length: str | None) -> int:
+async def read_body(request: Request, json_limit: int) -> bytes | bytearray:
+    """The request's body, refused (413) as soon as its JSON is known to be over `json_limit`: before a byte is
+    read where Content-Length (JSON alone) or Inference-Header-Content-Length says so, else as it streams in."""
+    header_length = request.headers.get(HEADER_LENGTH)
+    declared = header_length if header_length is not None else request.headers.get("content-length")
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > json_limit:
+        raise _json_too_large(json_limit)
+    if header_length is not None:  # the JSON's length is given, and checked by parse_request
+        return await request.body()
+    body = bytearray()  # grown in place: no second copy of a large body, as joining its chunks would make
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > json_limit:
+            raise _json_too_large(json_limit)
+    return body
+
+
+def _json_too_large(limit: int) -> TooLarge:
+    return TooLarge(f"the request's JSON is over the {limit}-byte limit for JSON (VITSERVE_MAX_JSON_BYTES): send "
+                    "large tensors in binary, after the JSON (the binary tensor extension; tritonclient's "
+                    "binary_data=True, its default)", "json_too_large")
+
+
+def _json_end(body: bytes | bytearray, header_length: str | None) -> int:
     if header_length is None:
         return len(body)
     if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
@@ -74,29 +99,32 @@ def _json_end(body: bytes, header_length: str | None) -> int:
     return int(header_length)
 
 
-def parse_request(body: bytes, header_length: str | None, pipeline: Pipeline) -> tuple[InferenceRequest, np.ndarray]:
-    """The request's JSON header and its one input batch, checked against the model's inputs. Pydantic's JSON
-    parser bounds the nesting (a body nested 5,000 deep is a 400, not a RecursionError)."""
+def parse_request(body: bytes | bytearray, header_length: str | None, pipeline: Pipeline
+                  ) -> tuple[InferenceRequest, tuple[np.ndarray, np.ndarray]]:
+    """The request's JSON header and its inputs as the graph's two batches (images, pixel_values), checked against
+    the model's inputs. Binary tensors follow the JSON in the order of the inputs. Pydantic's JSON parser bounds
+    the nesting (a body nested 5,000 deep is a 400, not a RecursionError)."""
     json_end = _json_end(body, header_length)
     try:
-        header = InferenceRequest.model_validate_json(body[:json_end])
+        header = InferenceRequest.model_validate_json(body if json_end == len(body) else body[:json_end])
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise BadInput("expected a JSON body with exactly one input tensor {name, shape, datatype, data}: "
+        raise BadInput("expected a JSON body with one input tensor {name, shape, datatype, data} or more: "
                        + f"{where}: {first['msg']}".strip(": ")) from None
-    tensor = header.inputs[0]
-    dtype = input_dtype(pipeline, tensor.name, tensor.datatype, tensor.shape)
-    size = tensor.parameters.binary_data_size
-    try:
-        if size is not None:
-            data = np.frombuffer(body[json_end:json_end + size], dtype=dtype)
-        else:
+    starts = np.cumsum([json_end] + [t.parameters.binary_data_size or 0 for t in header.inputs]).tolist()
+
+    def values(i: int, dtype: np.dtype) -> np.ndarray:
+        tensor = header.inputs[i]
+        try:
+            if tensor.parameters.binary_data_size is not None:
+                return np.frombuffer(memoryview(body)[starts[i]:starts[i + 1]], dtype=dtype)
             with np.errstate(over="ignore"):  # past FP32's range becomes inf, refused as not finite
-                data = np.asarray(tensor.data, dtype=dtype).ravel()
-    except (ValueError, TypeError, OverflowError):
-        raise BadInput("input data is missing or not numbers") from None
-    return header, input_batch(data, tensor.shape)
+                return np.asarray(tensor.data, dtype=dtype).ravel()
+        except (ValueError, TypeError, OverflowError):
+            raise BadInput(f"input {tensor.name!r}: data is missing or not numbers") from None
+
+    return header, model_inputs(pipeline, [(t.name, t.datatype, t.shape) for t in header.inputs], values)
 
 
 def json_numbers(value: np.ndarray) -> list:
@@ -132,16 +160,25 @@ def build_response(pipeline: Pipeline, header: InferenceRequest, fields: dict[st
                     headers={HEADER_LENGTH: str(len(encoded))})
 
 
-INFER = {"summary": "Run the model on one input tensor",
+# A JSON header past this is parsed (and its numbers made an array) in a thread, one body at a time: 4 MiB of
+# JSON (VITSERVE_MAX_JSON_BYTES' default) takes 10-30 ms on a 2-core host, which on the event loop every other
+# client of the process would wait out; in the thread it holds the GIL in slices of a few ms, and one large parse
+# at a time bounds the Python objects it makes (bench/abuse_json.py). Smaller ones are not worth the hop.
+INLINE_JSON_BYTES = 256 * 1024
+_json_thread = ThreadPoolExecutor(1, thread_name_prefix="v2-json")
+
+INFER = {"summary": "Run the model on its inputs: images, pixel values, or both",
          "description": "JSON `{\"inputs\": [{\"name\", \"shape\", \"datatype\", \"data\"}], \"outputs\": [...]}`, or "
                         "the binary tensor extension (raw bytes after the JSON, its length in the "
-                        "Inference-Header-Content-Length header). Inputs: `pixel_values` FP32 [B, 3, H, W], "
-                        "normalised as `parameters.preprocessing` of the model metadata says, or `images` UINT8 "
-                        "[B, H, W, 3] (the graph normalises). Outputs: logits and the attention outputs. "
-                        "`tritonclient.http` works as is.",
+                        "Inference-Header-Content-Length header). Inputs, as the model metadata lists them, "
+                        "each at most once: `images` UINT8 [B1, H, W, 3] (the graph normalises) and "
+                        "`pixel_values` FP32 [B2, 3, H, W], normalised as `parameters.preprocessing` of the "
+                        "model metadata says; either may be left out or empty, not both. Outputs: logits and "
+                        "the attention outputs, B1 + B2 rows, the images' first. `tritonclient.http` works as "
+                        "is.",
          "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": {
              "type": "object", "required": ["inputs"], "properties": {
-                 "inputs": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+                 "inputs": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
                      "type": "object", "required": ["name", "shape", "datatype"], "properties": {
                          "name": {"type": "string", "example": "images"},
                          "shape": {"type": "array", "items": {"type": "integer"}, "example": [1, 96, 96, 3]},
@@ -161,15 +198,21 @@ async def infer(request: Request, name: str) -> Response:
 
 @router.post("/models/{name}/versions/{version_}/infer", **INFER)
 async def infer_version(request: Request, name: str, version_: str | None) -> Response:
-    _pipelines(request).get(name, version=version_)  # an unknown or unready model fails before the body is read
-    body = await request.body()
+    first = _pipelines(request).get(name, version=version_)  # an unknown or unready model fails before the body
+    body = await read_body(request, _pipelines(request).settings.max_json_bytes)
+    length, parsed = request.headers.get(HEADER_LENGTH), None
+    if _json_end(body, length) > INLINE_JSON_BYTES:
+        parsed = await asyncio.get_running_loop().run_in_executor(_json_thread, parse_request, body, length, first)
     pipeline = _pipelines(request).get(name, version=version_)  # routed once the body is in (Pipelines.get)
-    header, batch = parse_request(body, request.headers.get(HEADER_LENGTH), pipeline)
-    out = await pipeline.tensors(batch)
+    if parsed is None or pipeline is not first:  # (reloaded while it was parsed: rare, checked again here)
+        parsed = parse_request(body, length, pipeline)
+    header, (images, pixels) = parsed
+    out = await pipeline.tensors(images, pixels)
     return build_response(pipeline, header, out.fields)
 
 
 @router.get("", summary="Server metadata")
+@router.get("/", include_in_schema=False)  # the same answer, not a 307 to /v2: clients join paths with a slash
 async def server_metadata() -> dict:
     return {"name": "vitserve", "version": version("vitserve"),
             "extensions": ["binary_tensor_data", "model_repository"]}

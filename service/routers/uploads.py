@@ -5,7 +5,7 @@ FastAPI's File parameters spool every part to a SpooledTemporaryFile and build U
 already bounded by the BodyLimit middleware, so each part is kept as bytes.
 """
 from fastapi import Request
-from python_multipart.exceptions import MultipartParseError
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from ..errors import BadInput, TooLarge
@@ -31,17 +31,17 @@ def parse_multipart(body: bytes, content_type: str) -> list[tuple[str, str | Non
         headers.clear()
         data.clear()
 
-    parser = MultipartParser(params[b"boundary"], {
-        "on_header_field": lambda d, s, e: name.extend(d[s:e]),
-        "on_header_value": lambda d, s, e: value.extend(d[s:e]),
-        "on_header_end": header_end,
-        "on_part_data": lambda d, s, e: data.extend(d[s:e]),
-        "on_part_end": part_end,
-    })
-    try:
+    try:  # python-multipart refuses a boundary past 256 characters (RFC 2046: 70) as it is made: a 400 too
+        parser = MultipartParser(params[b"boundary"], {
+            "on_header_field": lambda d, s, e: name.extend(d[s:e]),
+            "on_header_value": lambda d, s, e: value.extend(d[s:e]),
+            "on_header_end": header_end,
+            "on_part_data": lambda d, s, e: data.extend(d[s:e]),
+            "on_part_end": part_end,
+        })
         parser.write(body)
         parser.finalize()
-    except MultipartParseError as e:
+    except FormParserError as e:  # MultipartParseError's base
         raise BadInput(f"the multipart body is malformed: {e}", "bad_request") from None
     return parts
 
