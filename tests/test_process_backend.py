@@ -7,6 +7,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +27,7 @@ from service.cache import AttentionRecord
 from service.errors import Unavailable
 from service.grpc_server import SERVICE
 from service.protocol import open_inference_pb2 as pb
+from service.runtime import Runner
 from service.settings import Settings
 
 REPO = ROOT / "model_repository"
@@ -50,7 +52,11 @@ async def workers(settings: Settings, folder: Path, count: int = 2) -> AsyncIter
     assert not list(folder.glob("arena-*")) and not list(folder.glob("board-*"))  # the workers removed theirs
 
 
-def test_workers_share_one_inference_process_its_batches_and_its_attention_results(tmp_path):
+def test_workers_share_one_inference_process_its_batches_and_its_attention_results(tmp_path, monkeypatch):
+    runs = threading.Event()  # cleared: a batch waits before it runs (the server runs in this process's threads)
+    runs.set()
+    run = Runner.run
+    monkeypatch.setattr(Runner, "run", lambda self, *a: runs.wait(10) and run(self, *a))
     settings = Settings(model_repository=REPO, queue_limit=8, max_files=8, max_batch_size=8, warmup_runs=0,
                         max_queue_delay_ms=50)
     pixels = np.stack([model_pixels(REPO / "shapes-deit", data) for data in (JPEG, PNG)])
@@ -80,12 +86,14 @@ def test_workers_share_one_inference_process_its_batches_and_its_attention_resul
                   first.records("shapes-deit", "image", 8) as queued,
                   second.records("shapes-deit", "image", 1) as refused):
                 running["image"] = queued["image"] = refused["image"] = pixels[0]
+                runs.clear()  # the inference thread holds the batch it runs until the refusal is seen
                 busy = asyncio.create_task(first.run("shapes-deit", running, 1))  # a full batch: it starts at once
                 await asyncio.sleep(0.005)
                 waits = asyncio.create_task(first.run("shapes-deit", queued, 1))  # waits for it: the queue is full
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.05)  # its frame reaches the inference process (the batch is held meanwhile)
                 with pytest.raises(Unavailable, match="would pass its limit of 8") as e:
                     await second.run("shapes-deit", refused, 1)
+                runs.set()
                 assert e.value.code == "overloaded" and e.value.retry_after_s == 1
                 await asyncio.gather(busy, waits)
             with pytest.raises(Unavailable, match="no room"):  # a worker's own slots are bounded too
