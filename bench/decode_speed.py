@@ -1,13 +1,17 @@
-"""Decode + preprocess cost per megapixel: what an upload costs the service before inference.
+"""What an upload costs the service on one core before inference: the JPEG decode, then the crop's resample, the
+service's (OpenCV's bilinear warp: service/decode.py model_input) against Pillow's bicubic (resize_and_crop, the
+reference and the service's path until 2026-11-27).
 
     python bench/decode_speed.py
+    python bench/decode_speed.py --rounds 50 --size 224 --short-side 249     # DeiT/ViT-B's 224 px input
 
-A real photograph (scikit-image's astronaut) resized to several sizes and encoded as JPEG (quality 90) and
-PNG, then run through the service's own decoding for a 224 px model (resize the short side to 248, centre-crop
-224, uint8 out: the graph normalises). JPEG is timed with draft mode (what the service does: the decoder skips
-detail the model would throw away) and at full size; medians over rounds, alternating.
+The images: scikit-image's chelsea as it is (451 x 300, the GPU check's photo) and its astronaut resized to larger
+photo sizes, each saved as JPEG (quality 90) and PNG. Each round runs decode, both resamples of the decoded photo
+and both whole paths once, in a shuffled order, in this process pinned to one core; medians over rounds.
 """
+import argparse
 import io
+import os
 import random
 import statistics
 import sys
@@ -19,40 +23,50 @@ from skimage import data as photos
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from repository import InputPolicy  # noqa: E402
-from service.decode import decode, model_input  # noqa: E402
+from service.decode import decode, model_input, resize_and_crop  # noqa: E402
 
-POLICY = InputPolicy((224, 224), 248, "bicubic", (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-SIZES = [(800, 600), (1600, 1200), (3264, 2448), (4032, 3024)]
-
-
-def encoded(size: tuple[int, int], fmt: str) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(photos.astronaut()).resize(size, Image.BICUBIC).save(buf, format=fmt, quality=90)
-    return buf.getvalue()
+SIZES = [(800, 600), (1600, 1200), (4032, 3024)]
 
 
-def prepare(data: bytes, short_side: int | None) -> None:
-    model_input(decode(data, short_side, 10**9).image, POLICY)
+def encoded(image: Image.Image, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, quality=90)
+    return buffer.getvalue()
 
 
-def main(rounds: int = 9) -> None:
-    print(f"{'image':>11} {'MP':>5} {'format':>6} {'KiB':>6} {'ms (service)':>13} {'ms/MP':>7} {'ms full-size':>13}")
-    for w, h in SIZES:
-        mp = w * h / 1e6
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--size", type=int, default=224, help="the model's input side")
+    p.add_argument("--short-side", type=int, default=249, help="resize_short_side of the policy")
+    args = p.parse_args()
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    policy = InputPolicy((args.size, args.size), args.short_side, "bicubic", (0.5,) * 3, (0.5,) * 3)
+    images = [Image.fromarray(photos.chelsea())] + [Image.fromarray(photos.astronaut()).resize(s, Image.BICUBIC)
+                                                     for s in SIZES]
+    print(f"one core; input {args.size} px, short side {args.short_side}; ms per image, medians of {args.rounds} "
+          "rounds")
+    print(f"{'image':>10} {'format':>6} {'KiB':>5} {'decode':>7} {'Pillow resample':>15} {'OpenCV warp':>11} "
+          f"{'total before':>12} {'total now':>9} {'now / before':>12}")
+    for image in images:
         for fmt in ("JPEG", "PNG"):
-            data = encoded((w, h), fmt)
-            calls = {"service": lambda: prepare(data, POLICY.resize_short_side)}
-            if fmt == "JPEG":
-                calls["full"] = lambda: prepare(data, None)
+            data = encoded(image, fmt)
+            photo = decode(data, args.short_side, 10**9).image
+            calls = {"decode": lambda: decode(data, args.short_side, 10**9),
+                     "pillow": lambda: resize_and_crop(photo, policy),
+                     "opencv": lambda: model_input(photo, policy),
+                     "before": lambda: resize_and_crop(decode(data, args.short_side, 10**9).image, policy),
+                     "now": lambda: model_input(decode(data, args.short_side, 10**9).image, policy)}
             times = {k: [] for k in calls}
-            for _ in range(rounds):
+            for _ in range(args.rounds):
                 for k in random.sample(list(calls), len(calls)):
                     start = time.perf_counter()
                     calls[k]()
                     times[k].append(time.perf_counter() - start)
-            served = statistics.median(times["service"]) * 1e3
-            full = f"{statistics.median(times['full']) * 1e3:>13.1f}" if "full" in times else f"{'-':>13}"
-            print(f"{f'{w}x{h}':>11} {mp:>5.1f} {fmt:>6} {len(data) / 1024:>6.0f} {served:>13.1f} {served / mp:>7.1f} {full}")
+            ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            print(f"{'%dx%d' % image.size:>10} {fmt:>6} {len(data) / 1024:>5.0f} {ms['decode']:>7.2f} "
+                  f"{ms['pillow']:>15.2f} {ms['opencv']:>11.2f} {ms['before']:>12.2f} {ms['now']:>9.2f} "
+                  f"{ms['now'] / ms['before']:>12.2f}")
 
 
 if __name__ == "__main__":

@@ -157,7 +157,8 @@ def served(cache: Path, cuda: bool) -> tuple[list[Path], dict[str, wrk.Request]]
     return folders, requests
 
 
-def service(report: Report, cache: Path, cuda: bool, clients: list[int], seconds: int, max_batch: int) -> None:
+def service(report: Report, cache: Path, cuda: bool, clients: list[int], seconds: int, max_batch: int,
+            gpu_decoding: list[bool]) -> None:
     from gpu import repository_of
     folders, requests = served(cache, cuda)
     threads = wrk_threads()
@@ -169,7 +170,7 @@ def service(report: Report, cache: Path, cuda: bool, clients: list[int], seconds
         report("GPU decoding on: not run (the CUDA provider does not start here)")
     failed = 0
     with repository_of(folders) as repo:
-        for gpu_decode in [True, False] if cuda else [False]:
+        for gpu_decode in gpu_decoding if cuda else [False]:
             with running_service(model_repository=repo, gpu_decode=gpu_decode, **settings) as url:
                 models = httpx.get(f"{url}/models", timeout=10).json()["models"]
                 report(f"\nGPU decoding {'on' if gpu_decode else 'off'}; /models: " + "; ".join(
@@ -299,6 +300,8 @@ def main() -> None:
     p.add_argument("--clients", nargs="+", type=int, help="wrk connections per level (default: 64 256)")
     p.add_argument("--seconds", type=int, help="per service level, after 1 s of warm-up (default: 5)")
     p.add_argument("--max-batch-size", type=int, default=16, help="the service's (VITSERVE_MAX_BATCH_SIZE)")
+    p.add_argument("--gpu-decode", choices=["both", "on", "off"], default="both",
+                   help="the service part with GPU decoding on, off or both, on CUDA (VITSERVE_GPU_DECODE)")
     args = p.parse_args()
     if args.export_cache:
         return export_cache(args.export_cache)
@@ -317,7 +320,8 @@ def main() -> None:
     report(f"host: {os.cpu_count()} cores, Python {platform.python_version()}; onnxruntime {ort.__version__}, "
            f"providers {', '.join(ort.get_available_providers())}; cache {args.cache}")
     parts: dict[str, Callable[[], None]] = {
-        "service": lambda: service(report, args.cache, cuda, clients, seconds, args.max_batch_size),
+        "service": lambda: service(report, args.cache, cuda, clients, seconds, args.max_batch_size,
+                                   {"both": [True, False], "on": [True], "off": [False]}[args.gpu_decode]),
         "profile": lambda: profile(report, args.cache, cuda, clients[-1], seconds, args.max_batch_size),
         "graphs": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "graphs", "--models", MODEL,
                                           "--batches", "256", "--cache", str(args.cache), *rounds], 240),
