@@ -84,11 +84,9 @@ def model_inputs(pipeline: Pipeline, tensors: list[Tensor], values: Callable[[in
     datatype and shape are checked."""
     if not tensors:
         raise BadInput("no input tensors; send `images` UINT8, `pixel_values` FP32, or both")
-    seen: set[str] = set()
-    for name, _, _ in tensors:
-        if name in seen:
-            raise BadInput(f"input {name!r} sent twice; send each input at most once")
-        seen.add(name)
+    names = [name for name, _, _ in tensors]
+    if twice := next((name for name in names if names.count(name) > 1), None):
+        raise BadInput(f"input {twice!r} sent twice; send each input at most once")
     batches = {name: input_batch(values(i, input_dtype(pipeline, name, datatype, shape)), shape)
                for i, (name, datatype, shape) in enumerate(tensors)}
     m = pipeline.entry.manifest
