@@ -1,13 +1,14 @@
 """What an upload costs the service on one core before inference: the JPEG decode, then the crop's resample, the
 service's (OpenCV's bilinear warp: service/decode.py model_input) against Pillow's bicubic (resize_and_crop, the
-reference and the service's path until 2026-11-27).
+reference and the service's path until 2026-11-27), and the service's whole path (upload_input: JPEGs decoded by
+simplejpeg straight into numpy since 2026-11-27, the same pixels) against the two before it.
 
     python bench/decode_speed.py
     python bench/decode_speed.py --rounds 50 --size 224 --short-side 249     # DeiT/ViT-B's 224 px input
 
 The images: scikit-image's chelsea as it is (451 x 300, the GPU check's photo) and its astronaut resized to larger
 photo sizes, each saved as JPEG (quality 90) and PNG. Each round runs decode, both resamples of the decoded photo
-and both whole paths once, in a shuffled order, in this process pinned to one core; medians over rounds.
+and the three whole paths once, in a shuffled order, in this process pinned to one core; medians over rounds.
 """
 import argparse
 import io
@@ -23,7 +24,7 @@ from skimage import data as photos
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from repository import InputPolicy  # noqa: E402
-from service.decode import decode, model_input, resize_and_crop  # noqa: E402
+from service.decode import decode, model_input, resize_and_crop, upload_input  # noqa: E402
 
 SIZES = [(800, 600), (1600, 1200), (4032, 3024)]
 
@@ -47,7 +48,7 @@ def main() -> None:
     print(f"one core; input {args.size} px, short side {args.short_side}; ms per image, medians of {args.rounds} "
           "rounds")
     print(f"{'image':>10} {'format':>6} {'KiB':>5} {'decode':>7} {'Pillow resample':>15} {'OpenCV warp':>11} "
-          f"{'total before':>12} {'total now':>9} {'now / before':>12}")
+          f"{'Pillow+Pillow':>13} {'Pillow+OpenCV':>13} {'now':>6} {'now / Pillow+Pillow':>19}")
     for image in images:
         for fmt in ("JPEG", "PNG"):
             data = encoded(image, fmt)
@@ -56,7 +57,8 @@ def main() -> None:
                      "pillow": lambda: resize_and_crop(photo, policy),
                      "opencv": lambda: model_input(photo, policy),
                      "before": lambda: resize_and_crop(decode(data, args.short_side, 10**9).image, policy),
-                     "now": lambda: model_input(decode(data, args.short_side, 10**9).image, policy)}
+                     "pillow+opencv": lambda: model_input(decode(data, args.short_side, 10**9).image, policy),
+                     "now": lambda: upload_input(data, policy, 10**9)}
             times = {k: [] for k in calls}
             for _ in range(args.rounds):
                 for k in random.sample(list(calls), len(calls)):
@@ -65,8 +67,8 @@ def main() -> None:
                     times[k].append(time.perf_counter() - start)
             ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
             print(f"{'%dx%d' % image.size:>10} {fmt:>6} {len(data) / 1024:>5.0f} {ms['decode']:>7.2f} "
-                  f"{ms['pillow']:>15.2f} {ms['opencv']:>11.2f} {ms['before']:>12.2f} {ms['now']:>9.2f} "
-                  f"{ms['now'] / ms['before']:>12.2f}")
+                  f"{ms['pillow']:>15.2f} {ms['opencv']:>11.2f} {ms['before']:>13.2f} {ms['pillow+opencv']:>13.2f} "
+                  f"{ms['now']:>6.2f} {ms['now'] / ms['before']:>19.2f}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ triton:   Triton Inference Server through PyTriton (bench/peers/triton_server.py
           3.11 (a model load error, "_thread.RLock has no attribute _recursion_count").
 
 The graph is model_repository/shapes-deit/model.onnx, fed uint8 `images` and an empty float `pixel_values`; every
-peer preprocesses with vitserve's own functions (service.decode.decode + model_input, imported from this checkout:
+peer preprocesses with vitserve's own functions (service.decode.upload_input, imported from this checkout:
 bench/peers/common.py). Peer sessions keep ONNX Runtime's defaults (a thread per core, spinning between runs), as
 their authors would open them; vitserve runs with its own. All servers stay up for the whole run, one at a time
 under load; the others are paused meanwhile (SIGSTOP, SIGCONT for their turn), since not every server is quiet when
@@ -64,7 +64,7 @@ import wrk  # noqa: E402
 from service_process import free_port, photo_bytes  # noqa: E402
 
 from repository import read_entry  # noqa: E402
-from service.decode import decode, model_input  # noqa: E402
+from service.decode import upload_input  # noqa: E402
 
 MODEL = "shapes-deit"
 SERVERS = ROOT / "bench" / "peers"
@@ -399,7 +399,7 @@ def main() -> None:
 
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
     entry = read_entry(ROOT / "model_repository" / MODEL)
-    pixels = model_input(decode(jpeg, entry.policy.resize_short_side, 50_000_000).image, entry.policy)
+    pixels = upload_input(jpeg, entry.policy, 50_000_000)
     running: dict[str, Running] = {}
     failed: dict[str, str] = {}
     try:  # whatever happens, every server started is stopped

@@ -18,7 +18,7 @@ Per backend (`python -m service --backend thread|process`), all services running
 measurements alternating round by round; figures are medians over rounds. The clients run on the same machine.
 CPU ms/img: the service's CPU time (process_cpu_seconds_total, all its processes) per image it ran; "beyond"
 subtracts the raw session's CPU per image, and for /classify also what decoding and resizing that JPEG costs one
-thread here (the service's own decode + model_input, timed in this process, round by round). Service settings come
+thread here (the service's own upload_input, timed in this process, round by round). Service settings come
 from the environment as usual.
 """
 import argparse
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from service_process import metric, model_pixels, photo_bytes, process_metrics, running_service  # noqa: E402
 
 from repository import InputPolicy, sha256  # noqa: E402
-from service.decode import decode, model_input  # noqa: E402
+from service.decode import upload_input  # noqa: E402
 from service.loadtest import Send, classify_requests, run_level, v2_requests  # noqa: E402
 from service.runtime import CPU, Runner  # noqa: E402
 from service.settings import Settings  # noqa: E402
@@ -112,7 +112,7 @@ def decode_cpu_ms(jpeg: bytes, policy: InputPolicy, repeats: int = 50) -> float:
     """CPU ms to decode and resize the JPEG as the service does, on one thread."""
     start = time.process_time()
     for _ in range(repeats):
-        model_input(decode(jpeg, policy.resize_short_side, 10**9).image, policy)
+        upload_input(jpeg, policy, 10**9)
     return (time.process_time() - start) / repeats * 1e3
 
 

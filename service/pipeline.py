@@ -22,7 +22,7 @@ from repository import ModelEntry, RepositoryError, face_detector
 
 from .backends import Backend
 from .cache import AttentionRecord
-from .decode import Photo, decode, decode_size, model_input
+from .decode import Photo, decode, decode_size, model_input, upload_input
 from .errors import BadInput, NotFound, TooLarge, Unavailable, overloaded
 from .faces import DetectorSettings, FaceDetector, Faces, align
 from .gpu_decode import is_jpeg
@@ -67,10 +67,12 @@ class Pipeline:
             decode_ms, photos = [], []
             for i, data in enumerate(uploads):
                 start = time.perf_counter()
-                photo = decode(data, self.policy.resize_short_side, self.settings.max_image_pixels)
-                records["image"][i] = model_input(photo.image, self.policy)
+                if keep:  # the photo itself, for the maps drawn over it
+                    photos.append(decode(data, self.policy.resize_short_side, self.settings.max_image_pixels))
+                    records["image"][i] = model_input(photos[-1].image, self.policy)
+                else:
+                    records["image"][i] = upload_input(data, self.policy, self.settings.max_image_pixels)
                 decode_ms.append(self._decoded(start))
-                photos.append(photo)
             return decode_ms, photos if keep else None
 
         return await self._run("image", len(uploads), fill, top_k, keep)

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from skimage import data as photos
 
 from repository import InputPolicy, graph_inputs
-from service.decode import decode, model_input
+from service.decode import upload_input
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,7 +132,7 @@ def photo_bytes(name: str, fmt: str, **options) -> bytes:
 def model_pixels(model_dir: Path, image: bytes) -> np.ndarray:
     """The model's uint8 [H, W, 3] input for an image, through the service's decoding and preprocessing."""
     policy = InputPolicy.from_manifest(json.loads((model_dir / "manifest.json").read_text())["input"])
-    return model_input(decode(image, policy.resize_short_side, 10**8).image, policy)
+    return upload_input(image, policy, 10**8)
 
 
 def run_graph(path: Path, x: np.ndarray) -> list[np.ndarray]:

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import simplejpeg
 from PIL import Image
 from starlette.responses import PlainTextResponse
 from service_process import photo_bytes, run_graph
@@ -26,7 +27,7 @@ from models.data import preprocess as training_preprocess
 from repository import InputPolicy, ModelEntry, read_entry
 from service.batching import Batcher, QueueFull
 from service.cache import AttentionCache, AttentionRecord
-from service.decode import decode, model_input, resize_and_crop
+from service.decode import decode, model_input, resize_and_crop, upload_input
 from service.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
 from service.metrics import Metrics
 from service.middleware import BodyLimit
@@ -141,6 +142,43 @@ def test_bad_inputs_are_domain_errors():
     with pytest.raises(TooLarge, match="90000 pixels") as e:
         decode(encode(Image.new("RGB", (300, 300)), "PNG"), 10, max_pixels=300 * 299)
     assert e.value.code == "image_too_large"
+
+
+@pytest.mark.parametrize("size", [None, (1600, 1200), (3000, 700), (4000, 3000)])
+def test_jpegs_decoded_into_numpy_give_the_pillow_paths_input_bit_for_bit(size, monkeypatch):
+    """upload_input decodes colour and grey JPEGs with simplejpeg, reduced (draft) and turned upright by itself:
+    the same pixels as Pillow's decode (draft mode, exif_transpose), for every EXIF orientation and reduction."""
+    policy = InputPolicy((224, 224), 249, "bicubic", POLICY.mean, POLICY.std)
+    decoded, decode_jpeg = [], simplejpeg.decode_jpeg
+    monkeypatch.setattr(simplejpeg, "decode_jpeg", lambda *a, **kw: decoded.append(a) or decode_jpeg(*a, **kw))
+    for name in ("chelsea", "camera"):  # colour, grey
+        photo = Image.fromarray(getattr(photos, name)())
+        photo = photo.resize(size) if size else photo
+        for orientation in range(1, 9):
+            exif = Image.Exif()
+            exif[0x0112] = orientation
+            data = encode(photo, "JPEG", quality=90, exif=exif)
+            want = model_input(decode(data, policy.resize_short_side, 10**8).image, policy)
+            np.testing.assert_array_equal(upload_input(data, policy, 10**8), want, f"{name} {orientation}")
+    assert len(decoded) == 16  # each by simplejpeg, none through Pillow
+
+
+@pytest.mark.parametrize("mode,fmt", [("CMYK", "JPEG"), ("RGB", "PNG"), ("RGBA", "WEBP")])
+def test_what_simplejpeg_does_not_take_goes_through_pillow(mode, fmt):
+    photo = Image.fromarray(photos.astronaut()).resize((300, 200)).convert(mode)
+    data = encode(photo, fmt)
+    want = model_input(decode(data, POLICY.resize_short_side, 10**8).image, POLICY)
+    np.testing.assert_array_equal(upload_input(data, POLICY, 10**8), want)
+
+
+def test_a_jpeg_libjpeg_turbo_reads_with_warnings_gets_pillows_answer():
+    """A cut JPEG: Pillow's error (simplejpeg's strict decode refuses it and Pillow decides), and a size limit
+    checked from the header before anything is decoded."""
+    truncated = encode(Image.fromarray(photos.chelsea()), "JPEG")[:2000]
+    with pytest.raises(BadInput, match="could not be decoded"):
+        upload_input(truncated, POLICY, 10**8)
+    with pytest.raises(TooLarge, match="135300 pixels"):
+        upload_input(encode(Image.fromarray(photos.chelsea()), "JPEG"), POLICY, 451 * 299)
 
 
 def test_errors_cross_processes_by_kind():

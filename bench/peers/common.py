@@ -10,7 +10,7 @@ import onnxruntime as ort
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from repository import read_entry  # noqa: E402
-from service.decode import decode, model_input  # noqa: E402
+from service.decode import upload_input  # noqa: E402
 
 MODEL = ROOT / "model_repository" / "shapes-deit"
 ENTRY = read_entry(MODEL)
@@ -28,7 +28,7 @@ def session() -> ort.InferenceSession:
 
 def preprocess(data: bytes) -> np.ndarray:
     """Image bytes -> the model's uint8 [H, W, 3] input, as vitserve decodes, resizes and crops it."""
-    return model_input(decode(data, POLICY.resize_short_side, MAX_PIXELS).image, POLICY)
+    return upload_input(data, POLICY, MAX_PIXELS)
 
 
 def run(session: ort.InferenceSession, images: np.ndarray) -> list[np.ndarray]:

@@ -25,7 +25,7 @@ from repository import ModelEntry, find_entries, model_manifests, servable, veri
 
 from ..batching import Batcher, QueueFull
 from ..cache import AttentionCache, AttentionRecord
-from ..decode import decode, model_input
+from ..decode import upload_input
 from ..errors import BadInput, NotFound, ServiceError, overloaded
 from ..metrics import Metrics
 from ..records import KINDS, Part, host_inputs, record_dtype, row_numbers, spans, write_results
@@ -206,8 +206,7 @@ class LocalBackend:
         decoder, policy = self.jpeg_decoders[graph], self.by_key[graph].policy
         jpegs = [data for part in parts for data in part.jpegs]
         owners = [(part, row) for part in parts for row in row_numbers(part.rows)]
-        decoded, errors = decoder.decode(jpegs, lambda data: model_input(
-            decode(data, policy.resize_short_side, self.settings.max_image_pixels).image, policy))
+        decoded, errors = decoder.decode(jpegs, lambda jpeg: upload_input(jpeg, policy, self.settings.max_image_pixels))
         for i, error in errors.items():
             part, row = owners[i]
             part.errors[row] = error
