@@ -18,8 +18,9 @@ service: `python -m service` (the backend it picks for this host) on the first m
          on CUDA; /classify with 451 x 300 JPEGs (1 and 8 per request) and /v2 (FP32 and UINT8 tensors, binary
          outputs) at each client count, the clients spread over several processes; images/s, p50/p99, and the
          service's figure divided by the raw session's at the service's max batch size.
-decode:  Pillow (draft + resize, the service's CPU path) on a thread per core, against nvImageCodec decoding
-         batches of 64 on the GPU plus the service's GPU resize, on a 451 x 300 and a 1920 x 1080 JPEG.
+decode:  the service's CPU path (upload_input: draft decode, OpenCV warp) on a thread per core, against its GPU
+         decoder (nvImageCodec, then the batched matrix resize) on batches of 1, 16 and 64, from one thread and from
+         two (as the two inference threads call it), on a 451 x 300 and a 1920 x 1080 JPEG.
 What cannot run here (no CUDA, no timm, no nvImageCodec) is named, not silently left out. Models are exported
 once, random-init, into --cache; on a host whose torch cannot run the project's export (a GPU host's image), a graph
 missing from --cache stops the run with the command that exports it (docs/development.md#the-gpu-check).
@@ -52,7 +53,7 @@ from service_process import running_service  # noqa: E402
 from bench.export_speed import fp16_graph, fp16_graph_path  # noqa: E402
 from export.fusion import REWRITES  # noqa: E402
 from repository import InputPolicy, read_entry  # noqa: E402
-from service.decode import decode, model_input  # noqa: E402
+from service.decode import decode, model_input, upload_input  # noqa: E402
 from service.loadtest import classify_requests, run_level_processes, v2_requests  # noqa: E402
 from service.runtime import CPU, CUDA, Runner, choose_device, pinned_empty  # noqa: E402
 
@@ -329,7 +330,7 @@ def repository_of(folders: list[Path]) -> Iterator[Path]:
         yield Path(repo)
 
 
-def decoding(cuda: bool, policy: InputPolicy, copies: int = 256) -> None:
+def decoding(cuda: bool, policy: InputPolicy, copies: int = 1024) -> None:
     threads = os.cpu_count() or 1
     print(f"\ndecode: images/s into the {policy.size[0]} px input, {copies} copies")
     for size in ((451, 300), (1920, 1080)):
@@ -337,31 +338,44 @@ def decoding(cuda: bool, policy: InputPolicy, copies: int = 256) -> None:
         with ThreadPoolExecutor(threads) as pool:
             start = time.perf_counter()
             list(pool.map(partial(pillow_input, policy=policy), [data] * copies))
-            pillow = copies / (time.perf_counter() - start)
-        line = f"{size[0]}x{size[1]} JPEG: Pillow draft+resize on {threads} threads {pillow:,.0f}"
-        gpu = gpu_decode_rate(data, policy, copies) if cuda else None
-        line += f", nvImageCodec batch 64 + GPU resize {gpu:,.0f}" if gpu else ""
+            cpu = copies / (time.perf_counter() - start)
+        line = f"{size[0]}x{size[1]} JPEG: the CPU path (upload_input) on {threads} threads {cpu:,.0f}"
+        if cuda and (decoder := gpu_decoder(policy)):
+            line += "; GpuDecoder (nvImageCodec + batched resize), batch/threads " + ", ".join(
+                f"{batch}/{n} {gpu_decode_rate(decoder, data, copies, batch, n):,.0f}"
+                for batch in (1, 16, 64) for n in (1, 2))
         print(line, flush=True)
 
 
 def pillow_input(data: bytes, policy: InputPolicy) -> np.ndarray:
-    """The service's CPU path: Pillow's draft decode, resize and crop."""
-    return model_input(decode(data, policy.resize_short_side, 10**9).image, policy)
+    """The service's CPU path: the JPEG decoded reduced (draft), the crop warped out of it."""
+    return upload_input(data, policy, 10**9)
 
 
-def gpu_decode_rate(data: bytes, policy: InputPolicy, copies: int) -> float | None:
+def gpu_decoder(policy: InputPolicy):
     try:
         from service.gpu_decode import GpuDecoder
-        decoder = GpuDecoder(policy)
+        return GpuDecoder(policy)
     except (ImportError, RuntimeError) as e:
         skipped.append(f"nvImageCodec decoding: {e}")
         return None
-    fallback = partial(pillow_input, policy=policy)
-    decoder.decode([data] * 64, fallback)
-    start = time.perf_counter()
-    for _ in range(copies // 64):
-        decoder.decode([data] * 64, fallback)
-    return copies // 64 * 64 / (time.perf_counter() - start)
+
+
+def gpu_decode_rate(decoder, data: bytes, copies: int, batch: int, threads: int) -> float:
+    """Images/s of `decoder` on batches of `batch` copies of the JPEG, from `threads` threads at once (the
+    service's inference threads: 2 on a GPU), after one warm-up batch in each."""
+    fallback = partial(pillow_input, policy=decoder.policy)
+
+    def run(rounds: int) -> None:
+        for _ in range(rounds):
+            decoder.decode([data] * batch, fallback)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(run, [1] * threads))
+        start = time.perf_counter()
+        list(pool.map(run, [max(1, copies // batch // threads)] * threads))
+        done = max(1, copies // batch // threads) * threads * batch
+    return done / (time.perf_counter() - start)
 
 
 def main() -> None:

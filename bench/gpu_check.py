@@ -1,5 +1,5 @@
-"""One command for a GPU host (`make gpu-check`): the service under wrk, a profile of it, the graphs at batch 256, and
-the CUDA tests, in that order, into bench/results/gpu-<date>-<commit>.txt with the device, date, commit and ONNX
+"""One command for a GPU host (`make gpu-check`): the service under wrk, a profile of it, the graphs at batch 256, JPEG
+decoding, and the CUDA tests, in that order, into bench/results/gpu-<date>-<commit>.txt with the device, date, commit and ONNX
 Runtime.
 
     python bench/gpu_check.py --export-cache /tmp/gpu-cache   # on the CPU host: the graphs it needs, into a cache
@@ -17,6 +17,8 @@ profile: py-spy (--subprocesses) on the service through one level each of /class
          the time goes when a target is missed).
 graphs:  bench/gpu.py --parts graphs --models deit_tiny_patch16_224 --batches 256 --cache DIR (it exports nothing
          on a host whose torch cannot: a missing graph stops it with the command that makes it).
+decode:  bench/gpu.py --parts decode: the CPU path on every core against the GPU decoder alone, at batches of 1, 16
+         and 64, from one and two threads.
 tests:   python -m pytest -q tests/test_gpu.py tests/test_gpu_decode.py.
 A part that fails is recorded and the next one runs. Without CUDA the same parts run on the CPU (fp32, GPU decoding
 not run, test_gpu.py skipped), and the file says so. The commit is git's, or GPU_CHECK_COMMIT's where the tree
@@ -51,7 +53,7 @@ from repository import read_entry  # noqa: E402
 from service.runtime import CUDA, choose_device  # noqa: E402
 
 MODEL = "deit_tiny_patch16_224"
-PARTS = ["service", "profile", "graphs", "tests"]
+PARTS = ["service", "profile", "graphs", "decode", "tests"]
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -325,6 +327,8 @@ def main() -> None:
         "profile": lambda: profile(report, args.cache, cuda, clients[-1], seconds, args.max_batch_size),
         "graphs": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "graphs", "--models", MODEL,
                                           "--batches", "256", "--cache", str(args.cache), *rounds], 240),
+        "decode": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "decode", "--models", MODEL,
+                                          "--cache", str(args.cache)], 240),
         "tests": lambda: logged(report, [sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py",
                                          "tests/test_gpu_decode.py"], 240)}
     outcomes = []
