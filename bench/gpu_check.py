@@ -1,6 +1,6 @@
 """One command for a GPU host (`make gpu-check`): the service under wrk, a profile of it, the graphs at batch 256, JPEG
-decoding, and the CUDA tests, in that order, into bench/results/gpu-<date>-<commit>.txt with the device, date, commit and ONNX
-Runtime.
+decoding, and the CUDA tests, in that order, into bench/results/gpu-<date>-<commit>.txt with the device, date, commit
+and ONNX Runtime.
 
     python bench/gpu_check.py --export-cache /tmp/gpu-cache   # on the CPU host: the graphs it needs, into a cache
     python bench/gpu_check.py --cache /tmp/gpu-cache          # on the GPU host: about 5 minutes on an H100
@@ -10,8 +10,10 @@ service: `python -m service` (the backend it picks: process on CUDA) serving Dei
          sibling on CUDA (so in fp16), GPU decoding on and off (VITSERVE_GPU_DECODE); wrk (bench/wrk.py, one fixed
          request over kept-alive connections) posting /classify with 1 and 8 JPEGs (the 451 x 300 chelsea photo) and
          /v2 UINT8 binary tensors of 1 and 8 images, at each connection count: images/s, p50/p99, errors (non-2xx
-         among them), the GPU's utilisation (NVML, sampled through the measured window) and the host's busy cores
-         (/proc/stat: wrk's included).
+         among them), the GPU's utilisation (NVML, sampled through the measured window), the host's busy cores
+         (/proc/stat: wrk's included), and the CPU ms per image of the HTTP workers together and of the inference
+         process (/proc/PID/stat, as bench/process_cost.py counts them); --decode-threads sweeps the workers' decode
+         pools.
 profile: py-spy (--subprocesses) on the service through one level each of /classify 1 JPEG and /v2 8 images at the
          largest connection count, GPU decoding off: each process's busy threads and its busiest leaf frames (where
          the time goes when a target is missed).
@@ -25,6 +27,7 @@ not run, test_gpu.py skipped), and the file says so. The commit is git's, or GPU
 has no git repository (a copy on the GPU host).
 """
 import argparse
+import itertools
 import os
 import platform
 import shlex
@@ -47,6 +50,7 @@ for folder in (ROOT, ROOT / "tests", ROOT / "bench"):
 import httpx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import wrk  # noqa: E402
+from process_cost import INFERENCE, WORKERS, cpu_by_role, supervisor_pid  # noqa: E402
 from service_process import model_pixels, photo_bytes, running_service  # noqa: E402
 
 from repository import read_entry  # noqa: E402
@@ -159,36 +163,46 @@ def served(cache: Path, cuda: bool) -> tuple[list[Path], dict[str, wrk.Request]]
     return folders, requests
 
 
-def service(report: Report, cache: Path, cuda: bool, clients: list[int], seconds: int, max_batch: int,
-            gpu_decoding: list[bool]) -> None:
+def service(report: Report, cache: Path, cuda: bool, clients: list[int], seconds: int, max_batches: list[int],
+            gpu_decoding: list[bool], decode_threads: list[int]) -> None:
     from gpu import repository_of
     folders, requests = served(cache, cuda)
     threads = wrk_threads()
-    settings = {"max_batch_size": max_batch, "queue_limit": 4096, "access_log": False}
+    settings = {"queue_limit": 4096, "access_log": False}
     report(f"{MODEL} ({'fp16 sibling on CUDA' if cuda else 'fp32 on the CPU'}), settings {settings}; wrk "
            f"threads {threads}, 1 s warm-up + {seconds} s per level; GPU % = NVML utilisation mean/max, "
-           f"cores = busy host cores of {os.cpu_count()}")
+           f"cores = busy host cores of {os.cpu_count()} (wrk's included); CPU ms per image of the HTTP workers "
+           f"together and of the inference process (process backend)")
     if not cuda:
         report("GPU decoding on: not run (the CUDA provider does not start here)")
     failed = 0
     with repository_of(folders) as repo:
-        for gpu_decode in gpu_decoding if cuda else [False]:
-            with running_service(model_repository=repo, gpu_decode=gpu_decode, **settings) as url:
+        for max_batch, gpu_decode, decoders in itertools.product(max_batches, gpu_decoding if cuda else [False],
+                                                                 decode_threads):
+            with running_service(model_repository=repo, gpu_decode=gpu_decode, decode_threads=decoders,
+                                 max_batch_size=max_batch, **settings) as url:
+                supervisor = supervisor_pid(int(url.rsplit(":", 1)[1]))
                 models = httpx.get(f"{url}/models", timeout=10).json()["models"]
-                report(f"\nGPU decoding {'on' if gpu_decode else 'off'}; /models: " + "; ".join(
-                    f"{m['name']}: {m['precision']} on {m['provider']}, decode {m['decode']}"
-                    + (f" ({m['decode_reason']})" if m.get("decode_reason") else "") for m in models))
+                report(f"\nmax batch {max_batch}, GPU decoding {'on' if gpu_decode else 'off'}, decode threads per "
+                       f"worker {decoders or 'default'}; /models: " + "; ".join(
+                           f"{m['name']}: {m['precision']} on {m['provider']}, decode {m['decode']}"
+                           + (f" ({m['decode_reason']})" if m.get("decode_reason") else "") for m in models))
                 report(f"{'route':<18} {'conns':>5} {'img/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors (non-2xx)':>16} "
-                       f"{'GPU %':>7} {'cores':>5}")
+                       f"{'GPU %':>7} {'cores':>5} {'HTTP ms':>7} {'infer ms':>8}")
                 for label, request in requests.items():
                     for c in clients:
                         try:
                             wrk.run(url, request, c, 1, threads)
+                            before = cpu_by_role(supervisor)
                             with Usage() as usage:
                                 f = wrk.run(url, request, c, seconds, threads)
+                            after, images = cpu_by_role(supervisor), max(f.images_per_s * seconds, 1)
+                            per_image = [f"{(after[role] - before[role]) / images * 1e3:.3f}" if after[role] else "-"
+                                         for role in (WORKERS, INFERENCE)]  # none: the thread backend (a CPU host)
                             latency = f"{f.p50_ms:>8.1f} {f.p99_ms:>8.1f}" if f.images_per_s else f"{'-':>8} {'-':>8}"
                             report(f"{label:<18} {c:>5} {f.images_per_s:>9,.0f} {latency} "
-                                   f"{f'{f.errors} ({f.non_2xx})':>16} {usage.gpu:>7} {usage.cores:>5.1f}")
+                                   f"{f'{f.errors} ({f.non_2xx})':>16} {usage.gpu:>7} {usage.cores:>5.1f} "
+                                   f"{per_image[0]:>7} {per_image[1]:>8}")
                         except Exception as e:  # noqa: BLE001 - the level's failure, recorded; the next level runs
                             failed += 1
                             report(f"{label:<18} {c:>5} FAILED: {type(e).__name__}: {' '.join(str(e).split())}")
@@ -301,9 +315,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 s levels at 64 connections, 1 graph round")
     p.add_argument("--clients", nargs="+", type=int, help="wrk connections per level (default: 64 256)")
     p.add_argument("--seconds", type=int, help="per service level, after 1 s of warm-up (default: 5)")
-    p.add_argument("--max-batch-size", type=int, default=16, help="the service's (VITSERVE_MAX_BATCH_SIZE)")
+    p.add_argument("--max-batch-size", nargs="+", type=int, default=[16],
+                   help="the service's (VITSERVE_MAX_BATCH_SIZE): the service part at each, the profile at the first")
     p.add_argument("--gpu-decode", choices=["both", "on", "off"], default="both",
                    help="the service part with GPU decoding on, off or both, on CUDA (VITSERVE_GPU_DECODE)")
+    p.add_argument("--decode-threads", nargs="+", type=int, default=[0],
+                   help="the service part at each of these VITSERVE_DECODE_THREADS (0: the service's default)")
     args = p.parse_args()
     if args.export_cache:
         return export_cache(args.export_cache)
@@ -323,8 +340,9 @@ def main() -> None:
            f"providers {', '.join(ort.get_available_providers())}; cache {args.cache}")
     parts: dict[str, Callable[[], None]] = {
         "service": lambda: service(report, args.cache, cuda, clients, seconds, args.max_batch_size,
-                                   {"both": [True, False], "on": [True], "off": [False]}[args.gpu_decode]),
-        "profile": lambda: profile(report, args.cache, cuda, clients[-1], seconds, args.max_batch_size),
+                                   {"both": [True, False], "on": [True], "off": [False]}[args.gpu_decode],
+                                   args.decode_threads),
+        "profile": lambda: profile(report, args.cache, cuda, clients[-1], seconds, args.max_batch_size[0]),
         "graphs": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "graphs", "--models", MODEL,
                                           "--batches", "256", "--cache", str(args.cache), *rounds], 240),
         "decode": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "decode", "--models", MODEL,

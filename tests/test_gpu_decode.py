@@ -219,7 +219,8 @@ def test_every_nvimgcodec_and_cupy_name_gpu_decode_uses_exists_in_the_locked_ver
     assert not missing, missing
     # the names that broke on nvImageCodec 0.9 and those the decode runs through were checked, not passed over
     assert {"nvimgcodec.ColorSpec.SRGB", "nvimgcodec.HW_GPU_ONLY", "self.nvimgcodec.Decoder",
-            "self.local.decoder.decode", "self.xp.cuda.Stream", "xp.zeros", "xp.ascontiguousarray"} <= checked, sorted(checked)
+            "self.local.decoder.decode", "self.xp.cuda.Stream", "xp.zeros", "xp.ascontiguousarray"} <= checked, \
+        sorted(checked)
 
 
 def test_without_a_gpu_the_locked_decoder_fails_to_start_for_that_alone_and_says_why(caplog):
