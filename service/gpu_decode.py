@@ -115,7 +115,10 @@ class GpuDecoder:
 
     def _weights(self, width: int, height: int):
         rows, columns = crop_weights(self.policy, width, height)
-        return self.xp.asarray(rows), self.xp.asarray(columns)
+        rows, columns = self.xp.asarray(rows), self.xp.asarray(columns)
+        if not self.on_host:  # copied on this thread's stream; the other inference thread may use them next
+            self.xp.cuda.get_current_stream().synchronize()
+        return rows, columns
 
     def _stream(self):
         """This thread's decoder made (self.local.decoder) and its stream: a non-blocking CUDA stream (None on the
