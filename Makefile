@@ -28,9 +28,11 @@ test-slow: install
 
 # On a GPU host (docs/development.md#the-gpu-check): the service under wrk, the graphs and the CUDA tests, into
 # bench/results/. No venv there and no package index: python3 with the PYTHONPATH that ../shared/gpu/device-setup.sh
-# sets, and the graphs from BENCH_CACHE (exported on the CPU host: python bench/gpu_check.py --export-cache DIR).
+# sets, and the graphs from BENCH_CACHE (exported on the CPU host: python bench/gpu_check.py --export-cache DIR),
+# with the serving wheels the host lacks and stage.sh does not stage (bench/gpu_wheels.py) in its wheels/ folder.
 # Its stderr too goes to stdout, so that `make gpu-check | tee LOG` keeps everything.
 gpu-check:
+	$(PYTHON) bench/gpu_wheels.py install $${BENCH_CACHE:-/tmp/gpu-stage/cache}/wheels 2>&1
 	$(PYTHON) bench/gpu_check.py 2>&1
 
 # The embedded demo models: synthetic data, then one training run each (about 3 h on 2 CPU cores; the two

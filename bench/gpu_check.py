@@ -293,13 +293,16 @@ def logged(report: Report, argv: list[str], timeout: float) -> None:
 
 def export_cache(cache: Path) -> None:
     """What the check needs, exported here (the GPU host's torch cannot): DeiT-Ti fp32 and fp16 repository folders,
-    and the fp16 graph without ORT's fusions that bench/gpu.py's graphs part times beside them."""
+    and the fp16 graph without ORT's fusions that bench/gpu.py's graphs part times beside them; and the serving
+    wheels ../shared/gpu/stage.sh does not stage (bench/gpu_wheels.py), which `make gpu-check` installs there."""
     from gpu import export, fp16_variant
+    from gpu_wheels import download
 
     from export.fusion import REWRITES
     for precision in ("fp32", "fp16"):
         export(cache, MODEL, precision)
     fp16_variant(cache, MODEL, tuple(REWRITES))
+    download(cache / "wheels", large=False)
     size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
     print(f"{cache}: {size / 2**20:.0f} MiB; stage it with `BENCH_CACHE={cache} bash ../shared/gpu/stage.sh`")
 
