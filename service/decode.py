@@ -124,8 +124,8 @@ def upload_input(data: bytes, policy: InputPolicy, max_pixels: int) -> np.ndarra
 def _draft_scale(width: int, height: int, side: int) -> int:
     """The reduction Pillow's JPEG draft mode picks for a requested size of side x side: the largest of 1, 2, 4 and
     8 that its whole-number ratio allows (JpegImagePlugin.draft)."""
-    ratio = min(width // side, height // side)
-    return next(scale for scale in (8, 4, 2, 1) if ratio >= scale)
+    ratio = min(width // side, height // side)  # 0 for a photo smaller than the side: no reduction
+    return next((scale for scale in (8, 4, 2) if ratio >= scale), 1)
 
 
 def resize_and_crop(image: Image.Image, policy: InputPolicy) -> Image.Image:
@@ -154,6 +154,11 @@ def model_input(image: Image.Image | np.ndarray, policy: InputPolicy) -> np.ndar
     sx, sy = pixels.shape[1] / rw, pixels.shape[0] / rh
     out_h, out_w = policy.size
     # output pixel centre j + 0.5 lies at (left + j + 0.5) * sx in the photo's pixel-centre coordinates
-    to_photo = np.array([[sx, 0, (left + 0.5) * sx - 0.5], [0, sy, (top + 0.5) * sy - 0.5]])
-    return cv2.warpAffine(pixels, to_photo, (out_w, out_h), flags=_WARP[policy.interpolation] | cv2.WARP_INVERSE_MAP,
-                          borderMode=cv2.BORDER_REPLICATE)
+    x, y = (left + 0.5) * sx - 0.5, (top + 0.5) * sy - 0.5
+    # the warp is given the window it samples, two pixels wider each way than its bilinear taps (OpenCV refuses
+    # a source of 32,767 pixels or more a side, which a panorama within the pixel limit can be)
+    x0, y0 = max(int(x) - 2, 0), max(int(y) - 2, 0)
+    x1, y1 = int(x + out_w * sx) + 3, int(y + out_h * sy) + 3
+    to_window = np.array([[sx, 0, x - x0], [0, sy, y - y0]])
+    return cv2.warpAffine(pixels[y0:y1, x0:x1], to_window, (out_w, out_h),
+                          flags=_WARP[policy.interpolation] | cv2.WARP_INVERSE_MAP, borderMode=cv2.BORDER_REPLICATE)

@@ -163,6 +163,28 @@ def test_jpegs_decoded_into_numpy_give_the_pillow_paths_input_bit_for_bit(size, 
     assert len(decoded) == 16  # each by simplejpeg, none through Pillow
 
 
+@pytest.mark.parametrize("size", [(1, 1), (3, 2), (1, 500), (109, 2000)])
+def test_jpegs_smaller_than_the_input_decode_as_pillow_decodes_them(size):
+    """No draft reduction where a side is under the policy's short side (a StopIteration there, raised in the
+    decode pool, left its request unanswered: asyncio cannot carry it)."""
+    for mode in ("L", "RGB"):
+        data = encode(Image.fromarray(photos.astronaut()).resize(size).convert(mode), "JPEG")
+        want = model_input(decode(data, POLICY.resize_short_side, 10**8).image, POLICY)
+        np.testing.assert_array_equal(upload_input(data, POLICY, 10**8), want)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_a_panorama_wider_than_opencv_takes_is_sampled_from_the_crops_window(fmt):
+    """40,000 x 90 (3.6 MP, within the pixel limit): OpenCV's warp refuses a source of 32,767 pixels a side, and
+    was a 500 here; it is given the window the crop samples, the reference's pixels within the tolerance."""
+    policy = InputPolicy((224, 224), 249, "bicubic", POLICY.mean, POLICY.std)
+    data = encode(Image.fromarray(photos.astronaut()).resize((40_000, 90)), fmt)
+    got = upload_input(data, policy, 10**8)
+    want = np.asarray(resize_and_crop(decode(data, policy.resize_short_side, 10**8).image, policy))
+    difference = np.abs(got.astype(int) - want)
+    assert got.shape == (224, 224, 3) and difference.mean() <= 3, difference.mean()
+
+
 @pytest.mark.parametrize("mode,fmt", [("CMYK", "JPEG"), ("RGB", "PNG"), ("RGBA", "WEBP")])
 def test_what_simplejpeg_does_not_take_goes_through_pillow(mode, fmt):
     photo = Image.fromarray(photos.astronaut()).resize((300, 200)).convert(mode)
