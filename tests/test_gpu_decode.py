@@ -27,8 +27,8 @@ from service.app import create_app
 from service.backends.local import LocalBackend
 from service.backends.process import ProcessBackend
 from service.backends.server import InferenceServer
-from service.decode import resize_and_crop
-from service.errors import BadInput
+from service.decode import resize_and_crop, upload_input
+from service.errors import BadInput, UnsupportedMedia
 from service.gpu_decode import GpuDecoder, crop_weights, gpu_decoder, is_jpeg, resize
 from service.metrics import Metrics
 from service.pipeline import Pipeline
@@ -67,6 +67,31 @@ class CountingDecoder(GpuDecoder):
         if hasattr(self, "calls"):  # not the start-up probe
             self.calls.append(len(jpegs))
         return super().decode(jpegs, fallback)
+
+
+def test_a_batch_is_resized_once_per_photo_size_in_its_order_and_a_bad_jpeg_fails_alone(monkeypatch):
+    policy = InputPolicy((96, 96), 110, "bicubic", (0.5,) * 3, (0.5,) * 3)
+    decoder = GpuDecoder(policy, on_host=True)
+    resizes = []
+    monkeypatch.setattr(gpu_decode, "resize", lambda pixels, *a, **kw: resizes.append(len(pixels)) or
+                        resize(pixels, *a, **kw))
+    chelsea, coffee = photos.chelsea(), photos.coffee()
+    batch = [chelsea, coffee, chelsea[::-1], None, photos.rocket(), coffee[:, ::-1]]  # two sizes twice
+    jpegs = [b"\xff\xd8\xff not a JPEG" if x is None else encode_jpeg(x) for x in batch]
+    out, errors = decoder.decode(jpegs, lambda data: upload_input(data, policy, 10**8))
+    assert sorted(resizes) == [1, 2, 2]  # three photo sizes, each in one pair of products
+    assert list(errors) == [3] and isinstance(errors[3], UnsupportedMedia) and not out[3].any()
+    for i, photo in enumerate(batch):
+        if photo is not None:  # each row is its own photo's, as resized alone
+            pixels = np.asarray(Image.open(io.BytesIO(jpegs[i])).convert("RGB"))
+            alone = resize(pixels, *crop_weights(policy, pixels.shape[1], pixels.shape[0])).astype(int)
+            assert np.abs(out[i].astype(int) - alone).max() <= 1, i
+
+
+def encode_jpeg(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
 
 
 def settings(**kw) -> Settings:
