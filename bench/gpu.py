@@ -337,7 +337,7 @@ def decoding(cuda: bool, policy: InputPolicy, copies: int = 1024) -> None:
         data = jpeg(size)
         with ThreadPoolExecutor(threads) as pool:
             start = time.perf_counter()
-            list(pool.map(partial(pillow_input, policy=policy), [data] * copies))
+            list(pool.map(partial(cpu_input, policy=policy), [data] * copies))
             cpu = copies / (time.perf_counter() - start)
         line = f"{size[0]}x{size[1]} JPEG: the CPU path (upload_input) on {threads} threads {cpu:,.0f}"
         if cuda and (decoder := gpu_decoder(policy)):
@@ -347,7 +347,7 @@ def decoding(cuda: bool, policy: InputPolicy, copies: int = 1024) -> None:
         print(line, flush=True)
 
 
-def pillow_input(data: bytes, policy: InputPolicy) -> np.ndarray:
+def cpu_input(data: bytes, policy: InputPolicy) -> np.ndarray:
     """The service's CPU path: the JPEG decoded reduced (draft), the crop warped out of it."""
     return upload_input(data, policy, 10**9)
 
@@ -364,7 +364,7 @@ def gpu_decoder(policy: InputPolicy):
 def gpu_decode_rate(decoder, data: bytes, copies: int, batch: int, threads: int) -> float:
     """Images/s of `decoder` on batches of `batch` copies of the JPEG, from `threads` threads at once (the
     service's inference threads: 2 on a GPU), after one warm-up batch in each."""
-    fallback = partial(pillow_input, policy=decoder.policy)
+    fallback = partial(cpu_input, policy=decoder.policy)
 
     def run(rounds: int) -> None:
         for _ in range(rounds):

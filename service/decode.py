@@ -90,7 +90,11 @@ def decode_size(data: bytes, max_pixels: int) -> tuple[int, int]:
 def decode(data: bytes, min_short_side: int | None, max_pixels: int) -> Photo:
     """Bytes -> upright RGB photo. With `min_short_side`, a JPEG may decode reduced (draft mode) as long as
     its short side stays >= min_short_side; without, at full size."""
-    image = _open(data, max_pixels)
+    return _photo(_open(data, max_pixels), data, min_short_side)
+
+
+def _photo(image: Image.Image, data: bytes, min_short_side: int | None) -> Photo:
+    """`decode` of an opened image (its header read, nothing decoded yet)."""
     width, height = image.size
     with _decoding():
         if image.format == "JPEG" and min_short_side:
@@ -118,7 +122,7 @@ def upload_input(data: bytes, policy: InputPolicy, max_pixels: int) -> np.ndarra
                 orientation = image.getexif().get(0x0112)
             upright = _UPRIGHT.get(orientation)
             return model_input(np.ascontiguousarray(upright(pixels)) if upright else pixels, policy)
-    return model_input(decode(data, policy.resize_short_side, max_pixels).image, policy)
+    return model_input(_photo(image, data, policy.resize_short_side).image, policy)
 
 
 def _draft_scale(width: int, height: int, side: int) -> int:
@@ -146,10 +150,11 @@ def model_input(image: Image.Image | np.ndarray, policy: InputPolicy) -> np.ndar
     0.1 ms for 224 x 224 where Pillow's bicubic resample took 0.7, and within a level or two of it:
     docs/models.md). Where the photo shrinks 2x or more it is first box-reduced by the whole factor, so that every
     pixel still counts (sampling alone would alias)."""
-    width, height = image.size if isinstance(image, Image.Image) else (image.shape[1], image.shape[0])
+    pillow = isinstance(image, Image.Image)
+    width, height = image.size if pillow else (image.shape[1], image.shape[0])
     (rw, rh), (left, top, _, _) = policy.resized(width, height), policy.crop(width, height)
     if (k := int(min(width / rw, height / rh))) >= 2:
-        image = (image if isinstance(image, Image.Image) else Image.fromarray(image)).reduce(k)
+        image = (image if pillow else Image.fromarray(image)).reduce(k)
     pixels = np.asarray(image)
     sx, sy = pixels.shape[1] / rw, pixels.shape[0] / rh
     out_h, out_w = policy.size
