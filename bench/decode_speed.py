@@ -9,6 +9,7 @@ simplejpeg straight into numpy since 2026-11-27, the same pixels) against the tw
 The images: scikit-image's chelsea as it is (451 x 300, the GPU check's photo) and its astronaut resized to larger
 photo sizes, each saved as JPEG (quality 90) and PNG. Each round runs decode, both resamples of the decoded photo
 and the three whole paths once, in a shuffled order, in this process pinned to one core; medians over rounds.
+Last, the JPEG's header read, Pillow's against service.jpeg_header's, without EXIF and with a camera's.
 """
 import argparse
 import io
@@ -17,6 +18,7 @@ import random
 import statistics
 import sys
 import time
+import timeit
 from pathlib import Path
 
 from PIL import Image
@@ -25,13 +27,14 @@ from skimage import data as photos
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from repository import InputPolicy  # noqa: E402
 from service.decode import decode, model_input, resize_and_crop, upload_input  # noqa: E402
+from service.jpeg_header import jpeg_header  # noqa: E402
 
 SIZES = [(800, 600), (1600, 1200), (4032, 3024)]
 
 
-def encoded(image: Image.Image, fmt: str) -> bytes:
+def encoded(image: Image.Image, fmt: str, exif: Image.Exif | None = None) -> bytes:
     buffer = io.BytesIO()
-    image.save(buffer, format=fmt, quality=90)
+    image.save(buffer, format=fmt, quality=90, **({"exif": exif} if exif else {}))
     return buffer.getvalue()
 
 
@@ -69,6 +72,25 @@ def main() -> None:
             print(f"{'%dx%d' % image.size:>10} {fmt:>6} {len(data) / 1024:>5.0f} {ms['decode']:>7.2f} "
                   f"{ms['pillow']:>15.2f} {ms['opencv']:>11.2f} {ms['before']:>13.2f} {ms['pillow+opencv']:>13.2f} "
                   f"{ms['now']:>6.2f} {ms['now'] / ms['before']:>19.2f}")
+    headers(images[0], args.rounds)
+
+
+def headers(image: Image.Image, rounds: int, calls: int = 200) -> None:
+    """The header read of the 451 x 300 JPEG, plain and with a camera's EXIF: Pillow's (open and getexif, the
+    service's until 2026-11-27) against jpeg_header's, interleaved."""
+    exif = Image.Exif()
+    exif.update({0x010F: "Maker", 0x0110: "Model X", 0x0132: "2026:11:27 10:00:00", 0x0112: 6})
+    print(f"\nthe JPEG's header (size and EXIF orientation), µs per image, medians of {rounds} rounds of {calls}")
+    print(f"{'EXIF':>28} {'Pillow':>7} {'jpeg_header':>11} {'ratio':>6}")
+    for what, data in (("none", encoded(image, "JPEG")), ("a camera's (4 tags)", encoded(image, "JPEG", exif))):
+        reads = {"pillow": lambda: Image.open(io.BytesIO(data)).getexif().get(0x0112),
+                 "ours": lambda: jpeg_header(data)}
+        times = {k: [] for k in reads}
+        for _ in range(rounds):
+            for k in random.sample(list(reads), len(reads)):
+                times[k].append(timeit.timeit(reads[k], number=calls) / calls)
+        us = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+        print(f"{what:>28} {us['pillow']:>7.1f} {us['ours']:>11.1f} {us['ours'] / us['pillow']:>6.2f}")
 
 
 if __name__ == "__main__":

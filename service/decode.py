@@ -9,7 +9,8 @@ layout) happens in the graph, on the device.
 
 Where only the model's input is wanted (`upload_input`, the hot path), a colour or grey JPEG is decoded by
 libjpeg-turbo straight into a numpy array (simplejpeg): the pixels Pillow gives, bit for bit, for three quarters
-of its cost, as Pillow's image object and the copy out of it are skipped.
+of its cost, as Pillow's image object and the copy out of it are skipped. Its size and EXIF orientation come from
+`jpeg_header` where the header is plain, from Pillow otherwise.
 """
 import io
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from repository import InputPolicy
 
 from .errors import BadInput, TooLarge, UnsupportedMedia
+from .jpeg_header import jpeg_header
 
 _SWAPS_AXES = {5, 6, 7, 8}  # EXIF orientations that turn the image by 90 degrees
 # EXIF orientation -> the uint8 [h, w, 3] view that shows the photo upright, as ImageOps.exif_transpose turns it
@@ -74,17 +76,23 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
     """The image, its header read and nothing decoded yet; a non-image or one over max_pixels raises."""
     with _decoding():
         image = Image.open(io.BytesIO(data))
-    width, height = image.size
+    _check_pixels(*image.size, max_pixels)
+    return image
+
+
+def _check_pixels(width: int, height: int, max_pixels: int) -> None:
     if width * height > max_pixels:
         raise TooLarge(f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}",
                        "image_too_large")
-    return image
 
 
 def decode_size(data: bytes, max_pixels: int) -> tuple[int, int]:
     """The image's (width, height) from its header alone, with the errors `decode` would raise for a non-image
     or a bomb."""
-    return _open(data, max_pixels).size
+    if (header := jpeg_header(data)) is None:
+        return _open(data, max_pixels).size
+    _check_pixels(*header[:2], max_pixels)
+    return header[:2]
 
 
 def decode(data: bytes, min_short_side: int | None, max_pixels: int) -> Photo:
@@ -108,21 +116,23 @@ def upload_input(data: bytes, policy: InputPolicy, max_pixels: int) -> np.ndarra
     """Image bytes -> the model's `images` input for it (`model_input` of the decoded photo). A colour or grey JPEG
     is decoded by simplejpeg, reduced as `decode`'s draft mode would and turned upright by its EXIF orientation;
     anything else, and any JPEG libjpeg-turbo reads only with warnings, goes through `decode` (Pillow, its
-    leniency and its errors)."""
-    image = _open(data, max_pixels)
-    if image.format == "JPEG" and image.mode in ("RGB", "L"):
-        width, height = image.size
-        scale = _draft_scale(width, height, policy.resize_short_side)
-        try:  # the smallest libjpeg-turbo scaling that covers these sizes is 1 / scale
-            pixels = simplejpeg.decode_jpeg(data, "RGB", min_height=-(-height // scale), min_width=-(-width // scale))
-        except ValueError:
-            pass
-        else:
-            with _decoding():
-                orientation = image.getexif().get(0x0112)
-            upright = _UPRIGHT.get(orientation)
-            return model_input(np.ascontiguousarray(upright(pixels)) if upright else pixels, policy)
-    return model_input(_photo(image, data, policy.resize_short_side).image, policy)
+    leniency and its errors). The header is read by `jpeg_header` where it is plain, else by Pillow."""
+    header = jpeg_header(data)
+    if header is None:
+        image = _open(data, max_pixels)
+        if image.format != "JPEG" or image.mode not in ("RGB", "L"):
+            return model_input(_photo(image, data, policy.resize_short_side).image, policy)
+        with _decoding():
+            header = (*image.size, image.getexif().get(0x0112))
+    width, height, orientation = header
+    _check_pixels(width, height, max_pixels)
+    scale = _draft_scale(width, height, policy.resize_short_side)
+    try:  # the smallest libjpeg-turbo scaling that covers these sizes is 1 / scale
+        pixels = simplejpeg.decode_jpeg(data, "RGB", min_height=-(-height // scale), min_width=-(-width // scale))
+    except ValueError:  # rare: Pillow decides, its header read once more
+        return model_input(decode(data, policy.resize_short_side, max_pixels).image, policy)
+    upright = _UPRIGHT.get(orientation)
+    return model_input(np.ascontiguousarray(upright(pixels)) if upright else pixels, policy)
 
 
 def _draft_scale(width: int, height: int, side: int) -> int:
