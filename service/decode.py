@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 import simplejpeg
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from repository import InputPolicy
 
@@ -33,6 +33,10 @@ _UPRIGHT = {
     5: lambda a: a.transpose(1, 0, 2), 6: lambda a: a.transpose(1, 0, 2)[:, ::-1],
     7: lambda a: a.transpose(1, 0, 2)[::-1, ::-1], 8: lambda a: a.transpose(1, 0, 2)[::-1],
 }
+# EXIF orientation -> Pillow's transpose that turns the photo upright (ImageOps.exif_transpose's)
+_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+              5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}
 # the policy's filter as OpenCV samples it: bilinear for the smooth ones (its cubic warp has no SIMD path)
 _WARP = {"nearest": cv2.INTER_NEAREST, "bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_LINEAR,
          "lanczos": cv2.INTER_LINEAR}
@@ -107,8 +111,11 @@ def _photo(image: Image.Image, data: bytes, min_short_side: int | None) -> Photo
     with _decoding():
         if image.format == "JPEG" and min_short_side:
             image.draft("RGB", (min_short_side, min_short_side))
-        size = (height, width) if image.getexif().get(0x0112) in _SWAPS_AXES else (width, height)
-        ImageOps.exif_transpose(image, in_place=True)  # decodes; not in place, an upright photo is copied
+        image.load()  # decodes, here: a damaged image is a BadInput, not an error wherever its pixels are read
+        orientation = image.getexif().get(0x0112)
+        size = (height, width) if orientation in _SWAPS_AXES else (width, height)
+        if orientation in _TRANSPOSE:  # ImageOps.exif_transpose's turn, without writing the EXIF back (which
+            image = image.transpose(_TRANSPOSE[orientation])  # raised TypeError on some damaged ones: a 500)
         return Photo(_to_rgb(image), size, data if image.size != size else None)
 
 
