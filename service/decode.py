@@ -90,13 +90,19 @@ def _check_pixels(width: int, height: int, max_pixels: int) -> None:
                        "image_too_large")
 
 
+def _plain_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int | None] | None:
+    """`jpeg_header`'s (width, height, EXIF orientation), over max_pixels raising; None where Pillow reads the
+    header."""
+    if (header := jpeg_header(data)) is not None:
+        _check_pixels(*header[:2], max_pixels)
+    return header
+
+
 def decode_size(data: bytes, max_pixels: int) -> tuple[int, int]:
     """The image's (width, height) from its header alone, with the errors `decode` would raise for a non-image
     or a bomb."""
-    if (header := jpeg_header(data)) is None:
-        return _open(data, max_pixels).size
-    _check_pixels(*header[:2], max_pixels)
-    return header[:2]
+    header = _plain_jpeg(data, max_pixels)
+    return header[:2] if header is not None else _open(data, max_pixels).size
 
 
 def decode(data: bytes, min_short_side: int | None, max_pixels: int) -> Photo:
@@ -124,7 +130,7 @@ def upload_input(data: bytes, policy: InputPolicy, max_pixels: int) -> np.ndarra
     is decoded by simplejpeg, reduced as `decode`'s draft mode would and turned upright by its EXIF orientation;
     anything else, and any JPEG libjpeg-turbo reads only with warnings, goes through `decode` (Pillow, its
     leniency and its errors). The header is read by `jpeg_header` where it is plain, else by Pillow."""
-    header = jpeg_header(data)
+    header = _plain_jpeg(data, max_pixels)
     if header is None:
         image = _open(data, max_pixels)
         if image.format != "JPEG" or image.mode not in ("RGB", "L"):
@@ -132,7 +138,6 @@ def upload_input(data: bytes, policy: InputPolicy, max_pixels: int) -> np.ndarra
         with _decoding():
             header = (*image.size, image.getexif().get(0x0112))
     width, height, orientation = header
-    _check_pixels(width, height, max_pixels)
     scale = _draft_scale(width, height, policy.resize_short_side)
     try:  # the smallest libjpeg-turbo scaling that covers these sizes is 1 / scale
         pixels = simplejpeg.decode_jpeg(data, "RGB", min_height=-(-height // scale), min_width=-(-width // scale))
