@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from service_process import running_service  # noqa: E402
 
 from bench.export_speed import fp16_graph, fp16_graph_path  # noqa: E402
+from bench.weightless import refill_all  # noqa: E402
 from export.fusion import REWRITES  # noqa: E402
 from repository import InputPolicy, read_entry  # noqa: E402
 from service.decode import decode, model_input, upload_input  # noqa: E402
@@ -396,6 +397,7 @@ def main() -> None:
     p.add_argument("--cuda-graph-max-batch", type=int, default=0,
                    help="service: VITSERVE_CUDA_GRAPH_MAX_BATCH (small batches replayed as CUDA graphs)")
     args = p.parse_args()
+    refill_all(args.cache)  # graphs staged without their weights (python bench/gpu_check.py --export-cache)
     probe = export(args.cache, (args.models or ["deit_tiny_patch16_224"])[0])
     cuda = choose_device([read_entry(probe)], None) == CUDA
     if not cuda:
