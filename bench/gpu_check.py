@@ -32,6 +32,7 @@ import argparse
 import itertools
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -106,6 +107,24 @@ def device() -> str:
         return output("nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader")
     except (OSError, subprocess.SubprocessError) as e:
         return f"no GPU seen (nvidia-smi: {e})"
+
+
+def cpus() -> str:
+    """What the CPU figures are per: the CPUs' model, hardware threads per core, the CPUs this process may use, and
+    a cgroup's CPU quota (a container's: /proc/stat's busy cores count the host's CPUs regardless)."""
+    model = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+    try:  # "0", "0,64" or "0-1"
+        ranges = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text().strip().split(",")
+        per_core = str(sum(int(r.split("-")[-1]) - int(r.split("-")[0]) + 1 for r in ranges))
+    except (OSError, ValueError):
+        per_core = "?"
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        limit = "no CPU quota" if quota == "max" else f"a CPU quota of {int(quota) / int(period):g}"
+    except (OSError, ValueError):
+        limit = "no cgroup v2 CPU quota seen"
+    return (f"{os.cpu_count()} CPUs ({model[1] if model else 'model unknown'}; threads per core {per_core}; "
+            f"{len(os.sched_getaffinity(0))} usable here; {limit})")
 
 
 @cache
@@ -349,7 +368,7 @@ def main() -> None:
         cuda = False
         report(f"the CUDA provider's probe failed: {type(e).__name__}: {e}")
     report(f"device: {device()}; CUDA provider {'starts' if cuda else 'does not start: CUDA parts not run'}")
-    report(f"host: {os.cpu_count()} cores, Python {platform.python_version()}; onnxruntime {ort.__version__}, "
+    report(f"host: {cpus()}, Python {platform.python_version()}; onnxruntime {ort.__version__}, "
            f"providers {', '.join(ort.get_available_providers())}; cache {args.cache}")
     start = time.monotonic()
     if refilled := refill_all(args.cache):
