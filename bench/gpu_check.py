@@ -54,6 +54,7 @@ import httpx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import wrk  # noqa: E402
 from process_cost import INFERENCE, WORKERS, cpu_by_role, supervisor_pid  # noqa: E402
+from service_overhead import decode_cpu_ms  # noqa: E402
 from service_process import model_pixels, photo_bytes, running_service  # noqa: E402
 from weightless import refill_all  # noqa: E402
 
@@ -194,10 +195,13 @@ def service(report: Report, cache: Path, cuda: bool, clients: list[int], seconds
     folders, requests = served(cache, cuda)
     threads = wrk_threads()
     settings = {"queue_limit": 4096, "access_log": False}
+    # the host's speed on its own, to set the workers' CPU per image against (bench/process_cost.py prints it too)
+    one_thread = decode_cpu_ms(photo_bytes("chelsea", "JPEG", quality=90), read_entry(folders[0]).policy)
     report(f"{MODEL} ({'fp16 sibling on CUDA' if cuda else 'fp32 on the CPU'}), settings {settings}; wrk "
            f"threads {threads}, 1 s warm-up + {seconds} s per level; GPU % = NVML utilisation mean/max, "
            f"cores = busy host cores of {os.cpu_count()} (wrk's included); CPU ms per image of the HTTP workers "
-           f"together and of the inference process (process backend)")
+           f"together and of the inference process (process backend); decoding and resizing the JPEG costs one "
+           f"thread {one_thread:.2f} ms on this host while idle")
     if not cuda:
         report("GPU decoding on: not run (the CUDA provider does not start here)")
     failed = 0
