@@ -4,7 +4,9 @@ First two workers' backends against one inference server in this process (what c
 sees), then the real `python -m service --backend process` on a loopback port.
 """
 import asyncio
+import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -197,7 +199,7 @@ def test_answers_equal_a_direct_session_and_every_worker_finds_the_attention_map
         np.testing.assert_allclose([got[i] for i in range(6)], direct_probabilities(REPO / "shapes-swin", data),
                                    atol=1e-5)
     keys = [result["id"] for result in r.json()["results"]]
-    for i in range(12):  # a new connection each time: the two workers take turns accepting them
+    for i in range(12):  # a new connection each time, spread over both workers
         got = httpx.get(f"{url}/attention-map", params={"id": keys[i % 2], "format": "json"})
         assert got.status_code == 200 and got.json()["grid_size"] == [6, 6]
     models = {m["name"]: m for m in httpx.get(f"{url}/models").json()["models"]}
@@ -280,3 +282,63 @@ def test_ready_only_after_warm_up_and_sigterm_finishes_every_accepted_request(ba
             httpx.get(f"{base}/health/live")
     finally:
         proc.kill()
+
+
+def sockets_on(port: int, state: str) -> set[str]:
+    """The inodes of this port's TCP sockets in a state of /proc/net/tcp ("0A" listening, "01" established)."""
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return {row[9] for row in rows if int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == state}
+
+
+def workers_on(port: int) -> dict[int, set[str]]:
+    """Each HTTP worker listening on the port, with the inodes of all its sockets."""
+    listening, workers = sockets_on(port, "0A"), {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or (proc / "comm").read_text().strip() != "vitserve-http":
+                continue
+            links = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+        except OSError:  # gone meanwhile
+            continue
+        inodes = {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
+        if inodes & listening:
+            workers[int(proc.name)] = inodes
+    return workers
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT spreads connections on Linux alone")
+def test_connections_spread_over_the_workers_and_a_killed_workers_share_waits_for_its_successor():
+    with running_service(backend="process", workers=4) as base:
+        port = int(base.rsplit(":", 1)[1])
+        busy = sorted(workers_on(port))[1:]
+        # a burst while all workers but one are busy (stopped): on one shared socket the one awake accepted what
+        # came meanwhile (30 to 126 a worker), and keeps it (kept alive); each worker's own socket holds its share
+        # until it is free
+        for pid in busy:
+            os.kill(pid, signal.SIGSTOP)
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(256)]
+        for client in clients:
+            client.sendall(b"GET /health/live HTTP/1.1\r\nHost: test\r\n\r\n")
+        for pid in busy:
+            os.kill(pid, signal.SIGCONT)
+        assert all(client.recv(4096).startswith(b"HTTP/1.1 200") for client in clients)
+        established, workers = sockets_on(port, "01"), workers_on(port)
+        counts = sorted(len(inodes & established) for inodes in workers.values())
+        assert len(counts) == 4 and sum(counts) == 256
+        assert counts[0] >= 32 and counts[-1] <= 96, counts  # hashed over four sockets: 64 each, give or take 7
+        for client in clients:
+            client.close()
+
+        victim = min(workers)
+        os.kill(victim, signal.SIGKILL)
+        # each on a new connection, a quarter of them to the victim's socket: queued there until its successor
+        # accepts them, not refused or reset
+        assert [httpx.get(f"{base}/health/live", timeout=60).status_code for _ in range(40)] == [200] * 40
+        successors = workers_on(port)
+        assert victim not in successors and len(successors) == 4
+
+        # a second service on the port is refused, though its sockets could have joined the first's
+        second = subprocess.run([sys.executable, "-m", "service", "--port", str(port)], cwd=ROOT, check=False,
+                                capture_output=True, text=True, timeout=60,
+                                env=service_env({"backend": "process", "workers": 2}))
+        assert second.returncode != 0 and "Address already in use" in second.stderr
