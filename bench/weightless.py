@@ -3,14 +3,14 @@
 A call to a lent GPU host carries at most 64 MiB beside the project's tree, and that host cannot export (its torch
 is not the pinned one). The benchmarks' graphs have random-init weights, and a GPU kernel's speed does not depend on
 the values it multiplies, so each large weight travels as its mean and standard deviation alone, and the GPU host
-draws new values from a normal distribution with both. DeiT-Ti's three graphs shrink from 47 MiB to under one, and
+draws new values from a normal distribution with both. DeiT-Ti's three graphs shrink from 47 MB to 0.2, and
 ViT-B/16's and Swin-T's (about 1 GB) fit at all.
 
-    python bench/gpu_check.py --export-cache DIR   # strips DIR's graphs once they are exported
+    python bench/gpu_check.py --export-cache DIR   # strips DIR's graphs once they are exported (again, if refilled)
     python bench/gpu_check.py --cache DIR          # refills them before any part runs (so does bench/gpu.py)
 
 What is kept verbatim: every tensor that is small, not floating point, not finite, or of few distinct values (Swin's
-attention masks, its relative-position tables gathered at export), and the graph itself.
+attention masks), and the graph itself.
 """
 import json
 from pathlib import Path
@@ -47,15 +47,15 @@ def strip(graph: Path) -> None:
             tensor.ClearField("raw_data")
             for field in ("float_data", "int32_data"):  # where fp32 / fp16 values sit when not raw
                 tensor.ClearField(field)
+    graph.with_name(graph.name + SIDECAR).write_text(json.dumps(stats))  # first: a graph is never left emptied alone
     onnx.save(model, graph)
-    graph.with_name(graph.name + SIDECAR).write_text(json.dumps(stats))
 
 
-def refill(graph: Path, seed: int = 0) -> None:
+def refill(graph: Path) -> None:
     """A stripped graph given new weights (normal, each tensor's mean and deviation), its sidecar removed; where it
     is a repository folder's graph, the manifest's sha256 and size follow."""
     sidecar = graph.with_name(graph.name + SIDECAR)
-    stats, model, rng = json.loads(sidecar.read_text()), onnx.load(graph), np.random.default_rng(seed)
+    stats, model, rng = json.loads(sidecar.read_text()), onnx.load(graph), np.random.default_rng(0)
     for tensor in model.graph.initializer:
         if tensor.name in stats:
             mean, std = stats[tensor.name]
