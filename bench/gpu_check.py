@@ -56,7 +56,7 @@ import wrk  # noqa: E402
 from process_cost import INFERENCE, WORKERS, cpu_by_role, supervisor_pid  # noqa: E402
 from service_overhead import decode_cpu_ms  # noqa: E402
 from service_process import model_pixels, photo_bytes, running_service  # noqa: E402
-from weightless import refill_all  # noqa: E402
+from weightless import refill_all, strip_all  # noqa: E402
 
 from repository import read_entry  # noqa: E402
 from service.runtime import CUDA, choose_device  # noqa: E402
@@ -327,7 +327,6 @@ def export_cache(cache: Path) -> None:
     ../shared/gpu/stage.sh does not stage (bench/gpu_wheels.py), which `make gpu-check` installs there."""
     from gpu import export, fp16_variant
     from gpu_wheels import download
-    from weightless import strip_all
 
     from export.fusion import REWRITES
     for model in GRAPH_MODELS:
