@@ -371,12 +371,12 @@ def gpu_decode_rate(decoder, data: bytes, copies: int, batch: int, threads: int)
         for _ in range(rounds):
             decoder.decode([data] * batch, fallback)
 
+    rounds = max(1, copies // batch // threads)
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(run, [1] * threads))
         start = time.perf_counter()
-        list(pool.map(run, [max(1, copies // batch // threads)] * threads))
-        done = max(1, copies // batch // threads) * threads * batch
-    return done / (time.perf_counter() - start)
+        list(pool.map(run, [rounds] * threads))
+    return rounds * threads * batch / (time.perf_counter() - start)
 
 
 def main() -> None:

@@ -91,7 +91,8 @@ def worker_count(settings: Settings) -> int:
 
 def serve(settings: Settings, log_level: str = "info") -> int:
     """Run until SIGTERM/SIGINT; the exit status (1 if the inference process failed)."""
-    socks = listeners(settings.host, settings.port, worker_count(settings))
+    count = worker_count(settings)
+    socks = listeners(settings.host, settings.port, count)
     if settings.grpc_port:  # so does the gRPC port, which the workers then share (SO_REUSEPORT)
         bind(settings.host, settings.grpc_port).close()
     folder = runtime_folder()
@@ -119,7 +120,7 @@ def serve(settings: Settings, log_level: str = "info") -> int:
         worker.start()
         return worker
 
-    workers = [start_worker(i) for i in range(worker_count(settings))]
+    workers = [start_worker(i) for i in range(count)]
     log.info("vitserve on http://%s:%d: %d HTTP workers, one inference process", settings.host, settings.port,
              len(workers))
     status = 0
