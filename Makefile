@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-slow serve models demo-data demo-weights lock proto clean gpu-check
+.PHONY: install test test-slow serve models demo-data demo-weights lock proto clean gpu-check perf-analyzer
 
 # RUNTIME=cpu (plain onnxruntime) or RUNTIME=gpu (onnxruntime-gpu with CUDA 13, cuDNN 9 and GPU decoding).
 # The two share a module name and break each other, so the other one goes first.
@@ -20,8 +20,16 @@ $(VENV)/.installed-$(RUNTIME): pyproject.toml requirements.lock
 
 install: $(VENV)/.installed-$(RUNTIME)
 
-test: install
+test: install perf-analyzer
 	$(BIN)/python -m pytest -q
+
+# Triton's perf_analyzer (tritonclient 2.40.0's binary) in build/perf_analyzer/, for tests/test_perf_analyzer.py and
+# bench/perf_analyzer.py; it starts where Debian's libb64-0d is installed (.ci/run installs it), else its test skips
+PERF_ANALYZER := build/perf_analyzer/perf_analyzer
+$(PERF_ANALYZER):
+	-$(PYTHON) bench/perf_analyzer.py install  # (a failure here skips the test, saying why)
+
+perf-analyzer: $(PERF_ANALYZER)
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow

@@ -13,11 +13,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from . import grpc_server, http_errors
 from .backends import Backend
 from .backends.local import LocalBackend
-from .metrics import Metrics, exposition
-from .middleware import ApiKey, BodyLimit, CancelOnDisconnect, RequestMetrics
+from .metrics import Metrics
+from .middleware import ApiKey, BodyLimit, CancelOnDisconnect, HeadAsGet, RequestMetrics
 from .pipeline import Pipelines
-from .routers import attention, classify, expression, health, kserve, models, repository
+from .routers import attention, classify, expression, health, kserve, models, repository, shared_memory
 from .settings import Settings
+from .statistics import metrics_page
 
 log = logging.getLogger("vitserve")
 DEMO_PAGE = (Path(__file__).parent / "static" / "index.html").read_text()
@@ -67,7 +68,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     http_errors.install(app)
     # the busiest routes first: routes are matched in order
     for router in (classify.router, kserve.router, expression.router, attention.router, models.router, health.router,
-                   repository.router):
+                   repository.router, shared_memory.router, shared_memory.cuda_router):
         app.include_router(router)
 
     @app.get("/", include_in_schema=False)
@@ -79,7 +80,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=PlainTextResponse)
     async def prometheus(request: Request) -> Response:
-        return Response(exposition(metrics), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics_page(metrics, pipelines), media_type=CONTENT_TYPE_LATEST)
 
     # the last added runs first: CORS answers preflights, metrics count every answer, the body limit comes
     # before the key (a refused key reads at most that much)
@@ -92,4 +93,5 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "X-API-Key", "Inference-Header-Content-Length"],
                            expose_headers=["Retry-After", "Inference-Header-Content-Length"])
+    app.add_middleware(HeadAsGet)  # outermost: every layer treats a HEAD as the GET it runs as
     return app

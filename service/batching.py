@@ -41,7 +41,7 @@ class Entry:
     records: np.ndarray
     rows: Rows  # those not yet in a batch
     top_k: int
-    jpegs: list[bytes] | None  # one per row not yet in a batch, for "jpeg" records
+    inputs: list | None  # one per row not yet in a batch, where its records do not hold it (records.Part)
     future: asyncio.Future
     enqueued: float
     on_taken: Callable[[], None] | None  # called once every row is in a batch that started
@@ -129,17 +129,17 @@ class Batcher:
         """Images the queue takes before it refuses."""
         return self.queue_limit - self.depth
 
-    def submit(self, records: np.ndarray, top_k: int = 1, jpegs: list[bytes] | None = None, rows: Rows | None = None,
+    def submit(self, records: np.ndarray, top_k: int = 1, inputs: list | None = None, rows: Rows | None = None,
                on_taken: Callable[[], None] | None = None) -> Entry:
-        """Queue `rows` of the records (all of them by default; with their JPEG bytes, for "jpeg" records); the
-        entry's future resolves once results are written into all of them."""
+        """Queue `rows` of the records (all of them by default; with each row's input where the records do not hold
+        it: records.Part); the entry's future resolves once results are written into all of them."""
         rows = slice(0, len(records)) if rows is None else rows
         n = count(rows)
         if n > self.room:
             raise QueueFull(f"{self.name} is busy: {self.depth} images are queued, and this request's {n} would pass "
                             f"its limit of {self.queue_limit}; retry later")
         future = asyncio.get_running_loop().create_future()
-        entry = Entry(records, rows, top_k, jpegs, future, time.perf_counter(), on_taken, n, kind_of(records))
+        entry = Entry(records, rows, top_k, inputs, future, time.perf_counter(), on_taken, n, kind_of(records))
         future.add_done_callback(lambda f: f.cancelled() and self._abandon(entry))
         self._waiting.append(entry)
         self.depth += n
@@ -152,13 +152,13 @@ class Batcher:
         that started (their request has gone)."""
         waiting = entry in self._waiting
         if waiting:
-            entry.rows, entry.jpegs, gone = _without(entry.rows, entry.jpegs, first, stop)
+            entry.rows, entry.inputs, gone = _without(entry.rows, entry.inputs, first, stop)
             self.depth -= gone
             entry.left -= gone
             self._tell_depth()
         for owner, part in self._gathering:
             if owner is entry:
-                part.rows, part.jpegs, gone = _without(part.rows, part.jpegs, first, stop)
+                part.rows, part.inputs, gone = _without(part.rows, part.inputs, first, stop)
                 entry.left -= gone
         if waiting and not count(entry.rows):
             self._waiting.remove(entry)
@@ -209,10 +209,10 @@ class Batcher:
                 deadline = deadline or entry.enqueued + self.max_queue_delay_s
                 n = min(room, count(entry.rows))
                 rows, entry.rows = _split(entry.rows, n)
-                jpegs = None
-                if entry.jpegs is not None:
-                    jpegs, entry.jpegs = entry.jpegs[:n], entry.jpegs[n:]
-                taken.append((entry, Part(entry.records, rows, entry.top_k, jpegs, entry.kind)))
+                inputs = None
+                if entry.inputs is not None:
+                    inputs, entry.inputs = entry.inputs[:n], entry.inputs[n:]
+                taken.append((entry, Part(entry.records, rows, entry.top_k, inputs, entry.kind)))
                 room -= n
                 self.depth -= n
                 if not count(entry.rows):
@@ -280,16 +280,15 @@ class Batcher:
                 entry.future.set_result(entry.errors)
 
 
-def _without(rows: Rows, jpegs: list[bytes] | None, first: int, stop: int
-             ) -> tuple[Rows, list[bytes] | None, int]:
-    """The rows outside first..stop-1 (and their JPEGs), and how many went."""
+def _without(rows: Rows, inputs: list | None, first: int, stop: int) -> tuple[Rows, list | None, int]:
+    """The rows outside first..stop-1 (and their inputs), and how many went."""
     numbers = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
     keep = (numbers < first) | (numbers >= stop)
     if keep.all():
-        return rows, jpegs, 0
-    if jpegs is not None:
-        jpegs = [data for data, kept in zip(jpegs, keep.tolist()) if kept]
-    return numbers[keep], jpegs, len(keep) - int(keep.sum())
+        return rows, inputs, 0
+    if inputs is not None:
+        inputs = [data for data, kept in zip(inputs, keep.tolist()) if kept]
+    return numbers[keep], inputs, len(keep) - int(keep.sum())
 
 
 def _split(rows: Rows, n: int) -> tuple[Rows, Rows]:

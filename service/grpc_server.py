@@ -21,14 +21,18 @@ from importlib.metadata import version
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 
 from .errors import BadInput, Forbidden, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
-from .metrics import Metrics
-from .open_inference import (check_load_parameters, find_model, model_inputs, model_outputs, repository_index,
-                             require_model_control, served_metadata)
+from .metrics import Metrics, collected
+from .open_inference import (check_load_parameters, extensions, find_model, model_config, model_inputs,
+                             model_outputs, repository_index, require_model_control, served_metadata,
+                             shared_outputs)
 from .pipeline import Pipelines
 from .protocol import open_inference_pb2 as pb
 from .settings import Settings
+from .shared_memory import NO_CUDA_SHARED_MEMORY, requested_slice
+from .statistics import Readings, served_statistics
 
 log = logging.getLogger("vitserve")
 
@@ -52,6 +56,15 @@ RPCS = {  # each method's request and response messages
     "RepositoryIndex": (pb.RepositoryIndexRequest, pb.RepositoryIndexResponse),
     "RepositoryModelLoad": (pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse),
     "RepositoryModelUnload": (pb.RepositoryModelUnloadRequest, pb.RepositoryModelUnloadResponse),
+    "ModelConfig": (pb.ModelConfigRequest, pb.ModelConfigResponse),
+    "ModelStatistics": (pb.ModelStatisticsRequest, pb.ModelStatisticsResponse),
+    "SystemSharedMemoryRegister": (pb.SystemSharedMemoryRegisterRequest, pb.SystemSharedMemoryRegisterResponse),
+    "SystemSharedMemoryStatus": (pb.SystemSharedMemoryStatusRequest, pb.SystemSharedMemoryStatusResponse),
+    "SystemSharedMemoryUnregister": (pb.SystemSharedMemoryUnregisterRequest,
+                                     pb.SystemSharedMemoryUnregisterResponse),
+    "CudaSharedMemoryRegister": (pb.CudaSharedMemoryRegisterRequest, pb.CudaSharedMemoryRegisterResponse),
+    "CudaSharedMemoryStatus": (pb.CudaSharedMemoryStatusRequest, pb.CudaSharedMemoryStatusResponse),
+    "CudaSharedMemoryUnregister": (pb.CudaSharedMemoryUnregisterRequest, pb.CudaSharedMemoryUnregisterResponse),
 }
 OPEN = {"ServerLive", "ServerReady", "ServerMetadata"}  # as /v2 and the health routes: no key asked
 
@@ -121,7 +134,8 @@ class InferenceService:
 
     @rpc
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="vitserve", version=version("vitserve"), extensions=["model_repository"])
+        return pb.ServerMetadataResponse(name="vitserve", version=version("vitserve"),
+                                         extensions=extensions(self.pipelines.settings))
 
     @rpc
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
@@ -135,6 +149,60 @@ class InferenceService:
                    for kind in ("inputs", "outputs")}
         return pb.ModelMetadataResponse(name=metadata["name"], versions=metadata["versions"],
                                         platform=metadata["platform"], **tensors)
+
+    @rpc
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
+        config = model_config(self.pipelines, request.name, request.version)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, pb.ModelConfig()))
+
+    @rpc
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context) -> pb.ModelStatisticsResponse:
+        stats = served_statistics(Readings(collected(self.metrics)), self.pipelines, request.name, request.version)
+        return pb.ModelStatisticsResponse(model_stats=[json_format.ParseDict(s, pb.ModelStatistics()) for s in stats])
+
+    @rpc
+    async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest, context
+                                         ) -> pb.SystemSharedMemoryRegisterResponse:
+        await self.shared_memory().register_region(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @rpc
+    async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest, context
+                                       ) -> pb.SystemSharedMemoryStatusResponse:
+        regions = await self.shared_memory().region_status(request.name)
+        return pb.SystemSharedMemoryStatusResponse(
+            regions={r["name"]: pb.SystemSharedMemoryStatusResponse.RegionStatus(**r) for r in regions})
+
+    @rpc
+    async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest, context
+                                           ) -> pb.SystemSharedMemoryUnregisterResponse:
+        await self.shared_memory().unregister_region(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    # CUDA shared memory is not offered: nothing registers, so there is nothing to list or unregister
+    @rpc
+    async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest, context
+                                       ) -> pb.CudaSharedMemoryRegisterResponse:
+        raise BadInput(NO_CUDA_SHARED_MEMORY)
+
+    @rpc
+    async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest, context
+                                     ) -> pb.CudaSharedMemoryStatusResponse:
+        if request.name:
+            raise BadInput(f"no CUDA shared-memory region named {request.name!r} is registered")
+        return pb.CudaSharedMemoryStatusResponse()
+
+    @rpc
+    async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest, context
+                                         ) -> pb.CudaSharedMemoryUnregisterResponse:
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    def shared_memory(self):
+        """The backend, which keeps the regions, where the extension is on."""
+        if not self.pipelines.settings.shared_memory:
+            raise Forbidden("the system shared-memory extension is off on this server (VITSERVE_SHARED_MEMORY=false)",
+                            "shared_memory_off")
+        return self.pipelines.backend
 
     @rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
@@ -196,31 +264,43 @@ class InferenceService:
 
     async def infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         pipeline = self.pipelines.get(request.model_name, version=request.model_version)
-        raw = request.raw_input_contents
-        if raw and len(raw) != len(request.inputs):
-            raise BadInput(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: send one per input, "
-                           "in the inputs' order, or none (typed contents)")
+        places = [requested_slice(parameters(t.parameters), f"input {t.name!r}") for t in request.inputs]
+        sent = [i for i, place in enumerate(places) if place is None]  # the inputs whose values travel here
+        raw = dict(zip(sent, request.raw_input_contents))
+        if request.raw_input_contents and len(request.raw_input_contents) != len(sent):
+            raise BadInput(f"{len(request.raw_input_contents)} raw_input_contents for {len(sent)} inputs not in "
+                           "shared memory: send one per input, in the inputs' order, or none (typed contents)")
         tensors = [(t.name, t.datatype, list(t.shape)) for t in request.inputs]
-        images, pixels = model_inputs(pipeline, tensors, lambda i, dtype: tensor_values(request, i, dtype))
-        out = await pipeline.tensors(images, pixels)
+        images, pixels = model_inputs(pipeline, tensors, lambda i, dtype: places[i] or tensor_values(
+            request.inputs[i], raw.get(i), dtype))
+        shared = shared_outputs(pipeline, {o.name: requested_slice(parameters(o.parameters), f"output {o.name!r}")
+                                           for o in request.outputs})
+        out = await pipeline.tensors(images, pixels, shared)
         outputs = model_outputs(pipeline, out.fields, [o.name for o in request.outputs])
         response = pb.ModelInferResponse(model_name=pipeline.name, model_version=str(pipeline.entry.version),
                                          id=request.id)
         for name, value in outputs.items():
             response.outputs.add(name=name, datatype="FP32", shape=value.shape)
-            response.raw_output_contents.append(value.tobytes())
+            # one written to shared memory has no data here: an empty raw content keeps the others' places
+            response.raw_output_contents.append(b"" if name in shared else value.tobytes())
         return response
 
 
-def tensor_values(request: pb.ModelInferRequest, i: int, dtype: np.dtype) -> np.ndarray:
-    """Input i's values, flat: from `raw_input_contents` (little-endian bytes) or its typed `contents`."""
-    if request.raw_input_contents:
+def parameters(given) -> dict:
+    """A parameters map's values (InferParameter's one set field each)."""
+    return {key: getattr(value, value.WhichOneof("parameter_choice")) for key, value in given.items()
+            if value.WhichOneof("parameter_choice")}
+
+
+def tensor_values(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None, dtype: np.dtype) -> np.ndarray:
+    """An input's values, flat: its `raw_input_contents` (little-endian bytes) or its typed `contents`."""
+    if raw is not None:
         try:
-            return np.frombuffer(request.raw_input_contents[i], dtype)
+            return np.frombuffer(raw, dtype)
         except ValueError:  # not a whole number of values
-            raise BadInput(f"input {request.inputs[i].name!r}: {len(request.raw_input_contents[i])} bytes are no "
-                           f"whole number of {dtype.itemsize}-byte values") from None
-    contents = request.inputs[i].contents
+            raise BadInput(f"input {tensor.name!r}: {len(raw)} bytes are no whole number of {dtype.itemsize}-byte "
+                           "values") from None
+    contents = tensor.contents
     if dtype == np.uint8:
         values = np.asarray(contents.uint_contents, np.uint32)
         if values.size and values.max() > 255:

@@ -353,7 +353,8 @@ def v2_sender(url: str, model: str | None, datatype: str, batch: int, grpc: bool
         raise SystemExit("error: --v2 needs --model")
     import urllib.request
     with urllib.request.urlopen(f"{url}/v2/models/{model}") as r:
-        inputs = json.load(r)["inputs"]
+        metadata = json.load(r)
+    inputs = metadata["inputs"] + metadata.get("parameters", {}).get("other_inputs", [])  # vitserve's pixel_values
     wanted = next(i for i in inputs if i["datatype"] == datatype)
     shape = [batch, *wanted["shape"][1:]]
     rng = np.random.default_rng(0)

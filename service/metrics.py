@@ -1,16 +1,22 @@
 """Prometheus metrics, Triton-style: requests, images, batch sizes, queue vs compute time, queue depth, decode
-time, and the service's own CPU seconds and memory (process_*).
+time, and the service's own CPU seconds and memory (process_*). Triton's per-model statistics (the statistics
+extension, statistics.py) are read off the counters here, and /metrics gives them again under Triton's own
+names (nv_inference_*), so a Triton dashboard reads vitserve as it is.
 
 Under the process backend every process writes its metrics to PROMETHEUS_MULTIPROC_DIR (prometheus-client's
 multiprocess mode, set by the supervisor before any process starts) and /metrics, on whichever HTTP worker it
 lands, adds them all up; process_* then covers the supervisor and all its children.
 """
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -51,6 +57,27 @@ class Metrics:
                              ["model", "outcome"], registry=r)
         self.load_seconds = Histogram("vitserve_model_load_seconds", "reading, opening and warming up a model",
                                       ["model"], buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120), registry=r)
+        # Triton's statistics: per model version, counted by the process that serves the request (model, version)
+        # and per graph and batch size, by the inference thread that runs the batch (model: the graph's key)
+        self.model_requests = Counter("vitserve_model_requests", "requests a model version ran, by outcome (success, "
+                                      "fail), whatever the route", ["model", "version", "outcome"], registry=r)
+        self.model_request_seconds = Counter("vitserve_model_request_seconds", "time those requests took, from "
+                                             "reaching the model's pipeline to their results",
+                                             ["model", "version", "outcome"], registry=r)
+        self.model_inferences = Counter("vitserve_model_inferences", "images (batch rows) run for a model version's "
+                                        "successful requests", ["model", "version"], registry=r)
+        self.model_phase_seconds = Counter("vitserve_model_phase_seconds", "time successful requests spent in each "
+                                           "phase: queue, compute_input, compute_infer, compute_output (a batch's "
+                                           "compute counted once for every request in it)",
+                                           ["model", "version", "phase"], registry=r)
+        self.batches = Counter("vitserve_batches", "inference calls by batch size", ["model", "batch_size"],
+                               registry=r)
+        self.batch_phase_seconds = Counter("vitserve_batch_phase_seconds", "time inference calls spent gathering "
+                                           "their inputs (compute_input), running (compute_infer) and writing "
+                                           "results (compute_output), by batch size",
+                                           ["model", "batch_size", "phase"], registry=r)
+        self.last_inference = Gauge("vitserve_last_inference_timestamp_seconds", "when the graph's last batch ran",
+                                    ["model"], registry=r, multiprocess_mode="max")
 
     def batch_observer(self, model: str) -> Callable[[int, float], None]:
         """Counts a batch of `model`: (images, inference seconds). The labelled series are looked up once."""
@@ -62,6 +89,58 @@ class Metrics:
             seconds.observe(inference_s)
 
         return observe
+
+    def phase_observer(self, model: str) -> Callable[[int, tuple[float, float, float]], None]:
+        """Counts a batch of graph `model` in Triton's batch statistics: (images, its compute_input, compute_infer
+        and compute_output seconds). Each batch size's series are looked up once."""
+        series: dict[int, tuple] = {}
+        last = self.last_inference.labels(model)
+
+        def observe(size: int, phases: tuple[float, float, float]) -> None:
+            if size not in series:
+                series[size] = (self.batches.labels(model, str(size)),
+                                *(self.batch_phase_seconds.labels(model, str(size), p) for p in COMPUTE))
+            count, *seconds = series[size]
+            count.inc()
+            for counter, s in zip(seconds, phases):
+                counter.inc(s)
+            last.set(time.time())
+
+        return observe
+
+    def request_observer(self, model: str, version: str) -> "RequestObserver":
+        return RequestObserver(self, model, version)
+
+
+COMPUTE = ("compute_input", "compute_infer", "compute_output")
+PHASES = ("queue", *COMPUTE)
+# the records' timing fields (records.TIMINGS) of each phase
+PHASE_FIELDS = {"queue": "queue_ms", "compute_input": "input_ms", "compute_infer": "inference_ms",
+                "compute_output": "output_ms"}
+
+
+class RequestObserver:
+    """Counts one model version's requests in Triton's request statistics; the labelled series looked up once."""
+
+    def __init__(self, metrics: Metrics, model: str, version: str):
+        self._count = {o: metrics.model_requests.labels(model, version, o) for o in ("success", "fail")}
+        self._seconds = {o: metrics.model_request_seconds.labels(model, version, o) for o in ("success", "fail")}
+        self._rows = metrics.model_inferences.labels(model, version)
+        self._phases = [(metrics.model_phase_seconds.labels(model, version, p), PHASE_FIELDS[p]) for p in PHASES]
+
+    def failed(self, seconds: float) -> None:
+        self._count["fail"].inc()
+        self._seconds["fail"].inc(seconds)
+
+    def succeeded(self, seconds: float, fields: dict[str, np.ndarray]) -> None:
+        """`fields`: the request's results by record field; its first row's timings are its batch's."""
+        self._count["success"].inc()
+        self._seconds["success"].inc(seconds)
+        rows = len(fields.get("queue_ms", ()))
+        if rows:
+            self._rows.inc(rows)
+            for counter, name in self._phases:
+                counter.inc(float(fields[name][0]) / 1e3)
 
 
 def _service_pids() -> list[int]:
@@ -89,11 +168,24 @@ class ServiceProcesses:
                                 rss)
 
 
-def exposition(metrics: Metrics) -> bytes:
-    """The /metrics body: this process's metrics, or under the process backend every process's, added up."""
+def collected(metrics: Metrics) -> list[Metric]:
+    """Every metric family: this process's, or under the process backend every process's, added up, with
+    process_* covering them all."""
     if not multiprocess():
-        return generate_latest(metrics.registry)
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry)
-    registry.register(ServiceProcesses())
+        return list(metrics.registry.collect())
+    return [*MultiProcessCollector(None).collect(), *ServiceProcesses().collect()]
+
+
+class _Families:
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def exposition(families: list[Metric]) -> bytes:
+    """Metric families in Prometheus' text format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
     return generate_latest(registry)

@@ -8,6 +8,7 @@ batch, and copies those results out. Where the model is idle, a lone request run
 input are kept only where an attention map needs them, so nothing is decoded twice.
 """
 import asyncio
+import functools
 import logging
 import math
 import os
@@ -27,9 +28,10 @@ from .errors import BadInput, NotFound, TooLarge, Unavailable, overloaded
 from .faces import DetectorSettings, FaceDetector, Faces, align
 from .gpu_decode import is_jpeg
 from .metrics import Metrics
-from .records import TIMINGS, output_names, results
+from .records import TIMINGS, output_names, record_dtype, results
 from .runtime import CPU
 from .settings import Settings
+from .shared_memory import SharedIO, SharedTensor, Slice
 
 log = logging.getLogger("vitserve")
 
@@ -44,6 +46,24 @@ class Results:
     inputs: np.ndarray | None = None
 
 
+def counted(method):
+    """A pipeline method that runs one request on the model, counted in Triton's statistics (statistics.py): its
+    outcome and time and, where it succeeded, its rows and its first row's queue and compute times. A request
+    whose client left (cancelled) is not counted."""
+    @functools.wraps(method)
+    async def run(self: "Pipeline", *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            answer = await method(self, *args, **kwargs)
+        except Exception:
+            self.stats.failed(time.perf_counter() - start)
+            raise
+        self.stats.succeeded(time.perf_counter() - start, (answer[-1] if isinstance(answer, tuple) else answer).fields)
+        return answer
+
+    return run
+
+
 class Pipeline:
     def __init__(self, entry: ModelEntry, backend: Backend, decode_pool: ThreadPoolExecutor, settings: Settings,
                  metrics: Metrics, detector: FaceDetector | None = None, detector_problem: str | None = None,
@@ -56,7 +76,9 @@ class Pipeline:
         self.name, self.key, self.policy = entry.name, entry.key, entry.policy
         self.fields = [*output_names(entry), "probs", "top_index", "top_score", *TIMINGS]
         self.attention_outputs = list(entry.manifest["attention"]["outputs"].values())
+        self.stats = metrics.request_observer(self.name, str(entry.version))
 
+    @counted
     async def images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False) -> Results:
         """Each upload decoded into one image record and run; where the backend decodes JPEGs on the GPU (and no
         photo is kept for a map), JPEGs go there undecoded."""
@@ -85,6 +107,7 @@ class Pipeline:
 
         return await self._run("jpeg", len(uploads), check, top_k, False, jpegs=uploads)
 
+    @counted
     async def faces(self, upload: bytes, detect: bool, settings: DetectorSettings, keep: bool = False
                     ) -> tuple[tuple[int, int], Faces | None, float, Results]:
         """The faces of a photo, each aligned into one image record, or the whole photo as one aligned face, in
@@ -125,24 +148,42 @@ class Pipeline:
                               "aligned face crops with detect=false", "face_detection_unavailable")
         return self.detector
 
-    async def tensors(self, images: np.ndarray, pixels: np.ndarray) -> Results:
+    @counted
+    async def tensors(self, images: np.ndarray | SharedTensor, pixels: np.ndarray | SharedTensor,
+                      outputs: dict[str, Slice] | None = None) -> Results:
         """Preprocessed inputs (KServe v2): uint8 [B1, H, W, 3] images and float [B2, 3, H, W] normalised pixels,
-        either of them empty; the results' rows are the images' then the pixels', as the graph gives them. Each
-        kind goes to the batcher as records of its own (one entry each, queued in the same turn of the loop, so
-        they usually share a batch); the request counts B1 + B2 images against the queue limit."""
+        either of them empty, either in shared memory; the results' rows are the images' then the pixels', as the
+        graph gives them, and `outputs` names those written to shared memory as well. Each kind goes to the
+        batcher as records of its own (one entry each, queued in the same turn of the loop, so they usually share
+        a batch); the request counts B1 + B2 images against the queue limit."""
         batches = [(kind, x) for kind, x in (("image", images), ("tensor", pixels)) if len(x)]
         if not batches:
             raise BadInput("no images to run: every input's batch is empty (shape [0, ...]); send at least one")
         self._check_count(len(images) + len(pixels))
+        row_bytes = {name: record_dtype(self.entry, "image")[name].itemsize for name in outputs or {}}
+        for name, place in (outputs or {}).items():
+            if place.byte_size < (need := (len(images) + len(pixels)) * row_bytes[name]):
+                raise BadInput(f"output {name!r} in shared memory: shared_memory_byte_size {place.byte_size} is "
+                               f"too small for its {need} bytes")
 
-        def filler(kind: str, x: np.ndarray):
+        def filler(kind: str, x: np.ndarray | SharedTensor):
             def fill(records: np.ndarray) -> tuple[list[float], None]:
-                records[kind] = x  # one copy of the batch, nothing to decode: not worth a thread hop
+                if not isinstance(x, SharedTensor):  # (shared memory is read straight into the batch)
+                    records[kind] = x  # one copy of the batch, nothing to decode: not worth a thread hop
                 return [0.0] * len(x), None
             return fill
 
-        runs = [asyncio.ensure_future(self._run(kind, len(x), filler(kind, x), 1, False, in_pool=False))
-                for kind, x in batches]
+        def shared(x: np.ndarray | SharedTensor, first: int) -> SharedIO | None:
+            """Where the run of these rows (the request's first..) finds its input and puts its outputs."""
+            place = x.place if isinstance(x, SharedTensor) else None
+            if place is None and not outputs:
+                return None
+            return SharedIO(place, {name: s.rows(first, len(x), row_bytes[name]) for name, s in outputs.items()})
+
+        firsts = [0, len(batches[0][1])]
+        runs = [asyncio.ensure_future(self._run(kind, len(x), filler(kind, x), 1, False, in_pool=False,
+                                                shared=shared(x, first)))
+                for (kind, x), first in zip(batches, firsts)]
         try:
             done = await asyncio.gather(*runs)
         except BaseException:  # one failed (overloaded, say) or the client left: the other leaves the queue too
@@ -161,7 +202,7 @@ class Pipeline:
                            "(VITSERVE_QUEUE_LIMIT), so send at most that many at once", "too_many_images")
 
     async def _run(self, kind: str, n: int, fill, top_k: int, keep: bool, in_pool: bool = True,
-                   jpegs: list[bytes] | None = None) -> Results:
+                   jpegs: list[bytes] | None = None, shared: SharedIO | None = None) -> Results:
         """Fill n records (in the decode pool), run them, and copy the results out."""
         if n == 0:
             return Results({}, [])
@@ -183,7 +224,7 @@ class Pipeline:
             try:
                 async with asyncio.timeout(self.settings.request_timeout_s):
                     if not ran:
-                        await self.backend.run(self.key, records, top_k, jpegs)
+                        await self.backend.run(self.key, records, top_k, jpegs, shared)
             except TimeoutError:
                 raise overloaded(f"no result from {self.name} within {self.settings.request_timeout_s:g}s",
                                  self.settings.retry_after_s) from None
@@ -288,6 +329,11 @@ class Pipelines:
             return self._latest.get(name)
         return next((p for p in self.pipelines.values() if p.name == name and str(p.entry.version) == version),
                     None)
+
+    def every(self) -> list[Pipeline]:
+        """Every model version served or loading (not those unloaded)."""
+        self._sync()
+        return list(self.pipelines.values())
 
     def versions(self, name: str) -> list[str]:
         """Every version of the model that serves or loads, oldest first."""

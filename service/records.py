@@ -10,6 +10,7 @@ records float32 [3, H, W] normalised pixels (its `pixel_values` input, for KServ
 records no input at all: their JPEG bytes travel beside them and are decoded on the GPU with their batch
 (gpu_decode.py), straight into the graph's `images` input on the device.
 """
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
@@ -20,7 +21,9 @@ from repository import ModelEntry
 
 MAX_TOP_K = 100
 KINDS = ("jpeg", "image", "tensor")  # the order of a batch's rows: the graph returns the images' rows first
-TIMINGS = ("batch_size", "queue_ms", "inference_ms")
+# a batch's size and, per image, its wait and its batch's compute phases (Triton's queue, compute_input,
+# compute_infer, compute_output)
+TIMINGS = ("batch_size", "queue_ms", "input_ms", "inference_ms", "output_ms")
 
 
 @cache
@@ -32,7 +35,7 @@ def record_dtype(entry: ModelEntry, kind: str) -> np.dtype:
               "jpeg": []}[kind]
     fields += [(o["name"], np.float32, tuple(d for d in o["shape"] if d != "batch")) for o in entry.manifest["outputs"]]
     fields += [("probs", np.float32, (classes,)), ("top_index", np.int32, (top,)), ("top_score", np.float32, (top,)),
-               ("batch_size", np.int32), ("queue_ms", np.float32), ("inference_ms", np.float32)]
+               ("batch_size", np.int32), *((name, np.float32) for name in TIMINGS[1:])]
     return np.dtype(fields)
 
 
@@ -63,11 +66,13 @@ def row_numbers(rows: Rows) -> list[int]:
 
 @dataclass(eq=False)
 class Part:
-    """Some rows of one records array, in one batch (and their JPEG bytes, for "jpeg" records)."""
+    """Some rows of one records array, in one batch, and each row's input where its records do not hold it: a
+    JPEG's bytes ("jpeg" records, decoded with the batch on the GPU), or for "image" and "tensor" records a view of
+    the row's input in a client's shared-memory region (shared_memory.py), read straight into the batch."""
     records: np.ndarray
     rows: Rows
     top_k: int
-    jpegs: list[bytes] | None = None
+    inputs: list | None = None
     kind: str = ""
     errors: dict[int, Exception] = field(default_factory=dict)  # rows that failed alone (a JPEG no decoder read)
 
@@ -77,6 +82,11 @@ class Part:
     @property
     def size(self) -> int:
         return count(self.rows)
+
+    @property
+    def shared(self) -> bool:
+        """Its inputs are views of shared memory, not in its records."""
+        return self.inputs is not None and self.kind != "jpeg"
 
 
 @dataclass
@@ -107,11 +117,11 @@ def _as_slice(rows: Rows) -> Rows:
 
 def spans(parts: list[Part]) -> list[Span]:
     """The batch's parts (in the batch's order: JPEGs and images before tensors) as spans, for host_inputs and
-    write_results."""
+    write_results. A part whose inputs lie outside its records (in shared memory) is a span of its own."""
     out, row = [], 0
     for part in parts:
         span = out[-1] if out else None
-        if span is not None and span.records is part.records:
+        if span is not None and span.records is part.records and not (part.shared or span.parts[-1].shared):
             span.parts.append(part)
         else:
             out.append(Span(part.records, part.rows, slice(row, row), [part]))
@@ -128,7 +138,11 @@ def spans(parts: list[Part]) -> list[Span]:
 def _gather(field: str, batch: list[Span], out: np.ndarray) -> np.ndarray:
     row = 0
     for span in batch:
-        out[row:row + span.size] = span.records[field][span.rows]  # (np.take into `out`: 10x slower on a field)
+        if span.parts[0].shared:  # a span of one part (spans)
+            for i, view in enumerate(span.parts[0].inputs):
+                out[row + i] = view
+        else:
+            out[row:row + span.size] = span.records[field][span.rows]  # (np.take into `out`: 10x slower on a field)
         row += span.size
     return out
 
@@ -166,10 +180,11 @@ def top_k(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_results(batch: list[Span], outputs: dict[str, np.ndarray], queue_ms: list[float],
-                  inference_ms: float) -> None:
+                  inference_ms: float, input_ms: float = 0.0) -> float:
     """Each part's rows of every output, softmax and top-k into its records, in the batch's order (images before
-    tensors), `queue_ms` being each part's wait: one vectorised pass per batch, one numpy call per field and
-    span."""
+    tensors), `queue_ms` being each part's wait and `input_ms`, `inference_ms` the batch's: one vectorised pass per
+    batch, one numpy call per field and span. Returns the ms it took, which every record gets as its output_ms."""
+    start = time.perf_counter()
     parts = [part for span in batch for part in span.parts]
     probs = softmax(outputs["logits"].astype(np.float32))
     k = min(max(p.top_k for p in parts), probs.shape[1], MAX_TOP_K)
@@ -183,5 +198,9 @@ def write_results(batch: list[Span], outputs: dict[str, np.ndarray], queue_ms: l
         records["probs"][rows] = probs[of]
         records["top_index"][rows, :k] = index[of]
         records["top_score"][rows, :k] = score[of]
-        records["batch_size"][rows], records["queue_ms"][rows], records["inference_ms"][rows] = (
-            size, waited[of], inference_ms)
+        records["batch_size"][rows], records["queue_ms"][rows] = size, waited[of]
+        records["input_ms"][rows], records["inference_ms"][rows] = input_ms, inference_ms
+    output_ms = (time.perf_counter() - start) * 1e3
+    for span in batch:
+        span.records["output_ms"][span.rows] = output_ms
+    return output_ms

@@ -85,6 +85,12 @@ def choose_device(entries: list[ModelEntry], providers: list[str] | None) -> str
     return device
 
 
+def batches_in_flight(provider: str | None) -> int:
+    """Batches a graph runs at once: one on a CPU (each already uses every core), two on a GPU (one is copied in
+    and post-processed while the other computes)."""
+    return 2 if provider == CUDA else 1
+
+
 @dataclass(frozen=True)
 class Plan:
     """How one model (version) is served: the entry whose graph runs, its precision and provider, or why not."""

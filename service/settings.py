@@ -47,6 +47,10 @@ class Settings(BaseSettings):
                                                             "tensors travel in binary (the binary tensor extension)")
     max_image_pixels: int = Field(50_000_000, ge=1, description="decoded image size limit (decompression bombs)")
     max_files: int = Field(64, ge=1, description="images per /classify request")
+    shared_memory: bool = Field(True, description="Triton's system shared-memory extension: clients on this host "
+                                                  "register regions of /dev/shm files and pass /v2 tensors through "
+                                                  "them; a client can have the server map any /dev/shm file its "
+                                                  "user may read and write (docs/api.md)")
     providers: list[str] | None = Field(None, description="ONNX Runtime providers to try, best first "
                                                           "(default: CUDA if it starts here, then CPU)")
     cuda_tf32: bool = Field(False, description="fp32 graphs on CUDA may use TF32 tensor cores: faster matrix "

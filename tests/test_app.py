@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import httpx
 import numpy as np
 import pytest
+from fastapi.routing import iter_route_contexts
 from service_process import ROOT, direct_probabilities, photo_bytes
 
 from repository import servable
@@ -85,7 +86,7 @@ class Misbehaving:
     def run_here(self, model, records, top_k) -> bool:
         return False
 
-    async def run(self, model, records, top_k, jpegs=None) -> None:
+    async def run(self, model, records, top_k, jpegs=None, shared=None) -> None:
         if self.behaviour == "overloaded":
             raise overloaded("no room", 7)
         await asyncio.sleep(3600)
@@ -142,6 +143,32 @@ def test_every_upload_route_treats_missing_and_repeated_images_alike():
     for r in answers[4:6]:  # one-image routes: a second image is an error, not silently dropped
         assert r.status_code == 400 and r.json()["error"]["code"] == "one_image", r.text
     assert answers[6].status_code == 413 and answers[6].json()["error"]["code"] == "too_many_files", answers[6].text
+
+
+def test_every_get_route_answers_head_with_the_gets_status_and_headers_and_no_body():
+    """RFC 9110: a server MUST support HEAD wherever it supports GET. A route that serves only POST answers HEAD 405,
+    as it answers GET."""
+    settings = Settings(model_repository=REPO, warmup_runs=0)
+    app = create_app(settings, LocalBackend(settings, Metrics()), metrics=Metrics())
+    routes = list(iter_route_contexts(app.routes))
+    sample = {"name": "shapes-vit", "version_": "1"}  # each path parameter's
+    gets = sorted({r.path.format(**sample) for r in routes if "GET" in (r.methods or ())})
+    posts = sorted({r.path.format(**sample) for r in routes if "POST" in (r.methods or ())} - set(gets))
+    served = ["/docs", "/metrics", "/models", "/v2/models/shapes-vit/ready"]  # some that answer 200, not an error
+    assert set(served) <= set(gets) and "/classify" in posts
+    answers = asyncio.run(call(app, [(method, path, {}) for path in gets for method in ("GET", "HEAD", "GET")]
+                               + [(method, path, {}) for path in posts for method in ("GET", "HEAD")]))
+    for i, path in enumerate(gets):
+        got, head, again = answers[3 * i:3 * i + 3]
+        assert head.status_code == got.status_code and head.content == b"" and got.content, path
+        if got.content == again.content:  # the same headers, its Content-Length included
+            assert head.headers == got.headers, path
+        else:  # a page that changes from one request to the next (/metrics): its length may too
+            assert head.headers.keys() == got.headers.keys(), path
+    assert all(answers[3 * gets.index(path)].status_code == 200 for path in served)
+    for i, path in enumerate(posts):
+        got, head = answers[3 * len(gets) + 2 * i:3 * len(gets) + 2 * i + 2]
+        assert got.status_code == head.status_code == 405 and head.content == b"", path
 
 
 def test_large_v2_json_is_parsed_off_the_event_loop_and_answers_as_small_json(monkeypatch):

@@ -106,7 +106,9 @@ def test_jpegs_decoded_with_their_batch_give_the_cpu_paths_answers_and_a_bad_one
     want = run_graph(REPO / "shapes-vit" / "model.onnx", pixels)
 
     async def main():
-        backend = LocalBackend(settings(max_queue_delay_ms=50), Metrics())
+        # a delay no decode here outlasts: the batch closes as soon as no request is decoding for it any more
+        # (Batcher._gather), so with the PNG in it, however long its decode on the CPU takes
+        backend = LocalBackend(settings(max_queue_delay_ms=60_000), Metrics())
         await backend.start()
         await backend.loaded()
         vit = next(e for e in backend.entries if e.name == "shapes-vit")

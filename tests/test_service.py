@@ -153,8 +153,9 @@ def test_tritonclient_round_trip_on_v2(url, binary):
     client = triton.InferenceServerClient(url=url.removeprefix("http://"))
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("shapes-deit")
     meta = client.get_model_metadata("shapes-deit")
-    assert meta["inputs"] == [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, 96, 96]},
-                              {"name": "images", "datatype": "UINT8", "shape": [-1, 96, 96, 3]}]
+    assert meta["inputs"] == [{"name": "images", "datatype": "UINT8", "shape": [-1, 96, 96, 3]}]
+    assert meta["parameters"]["other_inputs"] == [{"name": "pixel_values", "datatype": "FP32",
+                                                   "shape": [-1, 3, 96, 96]}]
     pre = meta["parameters"]["preprocessing"]  # what a client needs to make pixel_values from a photo
     assert pre["resize_short_side"] == 96 and pre["size"] == [96, 96] and len(pre["mean"]) == len(pre["std"]) == 3
     x = np.random.default_rng(0).standard_normal((3, 3, 96, 96)).astype(np.float32)
@@ -192,7 +193,7 @@ def test_v2_rejects_malformed_tensors(url):
     assert r.status_code == 400 and "takes [-1, 3, 96, 96]" in r.json()["error"]  # the protocol's error shape
     bad["inputs"][0]["datatype"] = "INT64"
     r = httpx.post(f"{url}/v2/models/shapes-vit/infer", json=bad)
-    takes = "'pixel_values' FP32 [-1, 3, 96, 96] or 'images' UINT8 [-1, 96, 96, 3]"
+    takes = "'images' UINT8 [-1, 96, 96, 3] or 'pixel_values' FP32 [-1, 3, 96, 96]"
     assert r.status_code == 400 and takes in r.json()["error"]
     renamed = {"inputs": [{**bad["inputs"][0], "name": "input__0", "datatype": "FP32", "shape": [1, 3, 96, 96],
                            "data": [0.0] * 3 * 96 * 96}]}  # right shape and type, a name the model lacks

@@ -2,7 +2,8 @@
 
 Two backends, one interface:
   LocalBackend (local.py):     ONNX Runtime sessions and the dynamic batchers in this process, batches run in
-                               an inference thread. The default on a CPU host: each batch already uses every core.
+                               an inference thread (its models' loading, readiness and reloads: lifecycle.py).
+                               The default on a CPU host: each batch already uses every core.
   ProcessBackend (process.py): this process is one of several HTTP workers; it decodes into records in shared
                                memory and hands them to one inference process (server.py), which owns the
                                sessions and the batchers. The default on a CUDA host, where one GIL-bound
@@ -17,6 +18,7 @@ import numpy as np
 from repository import ModelEntry
 
 from ..cache import AttentionRecord
+from ..shared_memory import SharedIO
 
 
 @dataclass
@@ -66,9 +68,12 @@ class Backend(Protocol):
         """From a decode thread, once `records` are filled: run them in that thread if the model is idle, and say
         whether it did (a lone request spared two thread hops); where it did not, `run` them."""
 
-    async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None) -> None:
+    async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None,
+                  shared: SharedIO | None = None) -> None:
         """Batch, run and unbatch: results are in the records when it returns (for "jpeg" records, `jpegs` holds
-        their bytes). Overloaded: Unavailable."""
+        their bytes), and in shared memory where `shared` says (its input, if it names one, is read from there, and
+        the records' input is not). Overloaded: Unavailable; a slice of a region that is not registered or too
+        small: BadInput."""
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         """Every layer's attention probabilities for one uint8 [H, W, 3] input (the explain graph)."""
@@ -83,6 +88,15 @@ class Backend(Protocol):
 
     async def index(self) -> list[dict]:
         """Every model version of the repository with its state (READY, LOADING, UNAVAILABLE) and the reason."""
+
+    async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """A client's system shared memory, registered under `name` (shared_memory.Regions.register)."""
+
+    async def unregister_region(self, name: str) -> None:
+        """The region (every region, where `name` is empty) unregistered; BadInput while a request uses it."""
+
+    async def region_status(self, name: str) -> list[dict]:
+        """The regions registered (the one named, where `name` is not empty): name, key, offset, byte_size."""
 
     async def keep(self, key: str, record: AttentionRecord) -> bool:
         """Store an attention result for GET /attention-map; False if it does not fit."""

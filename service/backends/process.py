@@ -31,6 +31,7 @@ from ..cache import AttentionRecord
 from ..errors import Unavailable, from_wire, overloaded
 from ..records import kind_of, record_dtype
 from ..settings import Settings
+from ..shared_memory import SharedIO
 from . import ModelStatus, wire
 from .arena import BOARD_SLOTS, Arena, map_records
 
@@ -58,6 +59,7 @@ class _Queued:
     lease: _Lease
     top_k: int
     jpegs: list[bytes] | None
+    shared: SharedIO | None  # its tensors in shared memory, which the inference process reads and writes
     future: asyncio.Future
     since: float  # when it was queued here
     frame: int | None = None
@@ -246,11 +248,12 @@ class ProcessBackend:
     def run_here(self, model: str, records: np.ndarray, top_k: int) -> bool:
         return False  # the sessions are in the inference process
 
-    async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None) -> None:
+    async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None,
+                  shared: SharedIO | None = None) -> None:
         self._check_connected()
         outbox = self._outboxes[model]
-        q = _Queued(self._leases[records.ctypes.data], top_k, jpegs, asyncio.get_running_loop().create_future(),
-                    time.perf_counter())
+        q = _Queued(self._leases[records.ctypes.data], top_k, jpegs, shared,
+                    asyncio.get_running_loop().create_future(), time.perf_counter())
         outbox.pending.append(q)
         self._tell(outbox)
         if not outbox.queued and not outbox.flushing:  # after this turn of the loop: others may join
@@ -268,17 +271,17 @@ class ProcessBackend:
             raise
 
     def _flush(self, outbox: _Outbox) -> None:
-        """The outbox's requests as one frame per kind, unless the inference process still holds frames of it
-        that no batch has taken."""
+        """The outbox's requests as one frame per kind (and per place of the input: the records, or shared
+        memory), unless the inference process still holds frames of it that no batch has taken."""
         outbox.flushing = False
         if outbox.queued or not outbox.pending or self._writer.is_closing():
             return
         now = time.perf_counter()
-        by_arena: dict[Arena, list[_Queued]] = {}
+        by_arena: dict[tuple[Arena, bool], list[_Queued]] = {}
         for q in outbox.pending:
-            by_arena.setdefault(q.lease.arena, []).append(q)
+            by_arena.setdefault((q.lease.arena, q.shared is not None and q.shared.input is not None), []).append(q)
         outbox.pending = []
-        for arena, queued in by_arena.items():
+        for (arena, _), queued in by_arena.items():
             key = next(self._ids)
             for q in queued:
                 q.lease.holders += 1  # held until the frame's "done", whatever happens to the request
@@ -287,14 +290,16 @@ class ProcessBackend:
                       "count": np.array([q.lease.n for q in queued], np.int32),
                       "top_k": np.array([q.top_k for q in queued], np.int32)}
             kind = kind_of(arena.records)
+            message = {"op": "run", "frame": key, "model": outbox.model, "kind": kind, "arena": arena.path.name}
+            if any(q.shared is not None for q in queued):
+                message["shared"] = [None if q.shared is None else q.shared.to_wire() for q in queued]
             if kind == "jpeg":
                 jpegs = [data for q in queued for data in q.jpegs]
                 arrays["jpegs"] = np.frombuffer(b"".join(jpegs), np.uint8)
                 arrays["jpeg_size"] = np.array([len(data) for data in jpegs], np.int64)
             self._frames[key] = (outbox, queued)
             outbox.queued.add(key)
-            self._writer.write(wire.pack({"op": "run", "frame": key, "model": outbox.model, "kind": kind,
-                                          "arena": arena.path.name}, arrays))
+            self._writer.write(wire.pack(message, arrays))
         self._tell(outbox)
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
@@ -310,6 +315,17 @@ class ProcessBackend:
     async def index(self) -> list[dict]:
         reply, _ = await self._ask({"op": "index"})
         return reply["models"]
+
+    async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        await self._ask({"op": "register_region", "name": name, "key": key, "offset": offset,
+                         "byte_size": byte_size})
+
+    async def unregister_region(self, name: str) -> None:
+        await self._ask({"op": "unregister_region", "name": name})
+
+    async def region_status(self, name: str) -> list[dict]:
+        reply, _ = await self._ask({"op": "region_status", "name": name})
+        return reply["regions"]
 
     async def keep(self, key: str, record: AttentionRecord) -> bool:
         message, arrays = wire.record_to_wire(record)

@@ -27,6 +27,7 @@ from ..errors import ServiceError, overloaded, to_wire
 from ..metrics import Metrics
 from ..records import record_dtype
 from ..settings import Settings
+from ..shared_memory import Claim, SharedIO
 from . import wire
 from .arena import BOARD_SLOTS, map_records
 from .local import LocalBackend
@@ -39,12 +40,15 @@ class Frame:
     """One worker's requests for one model and kind, sent as one message and queued as one batcher entry."""
     key: int
     writer: asyncio.StreamWriter
+    records: np.ndarray  # the worker's arena the requests' slots are in
     starts: np.ndarray  # each request's first slot and slot count, in the frame's order
     counts: np.ndarray
     batcher: Batcher | None = None
     entry: Entry | None = None
     taken: bool = False  # told
     errors: dict[str, dict] = dataclasses.field(default_factory=dict)  # by a request's first slot
+    claims: dict[int, Claim] = dataclasses.field(default_factory=dict)  # shared memory, by request
+    cancelled: set[int] = dataclasses.field(default_factory=set)  # first slots of requests given up
 
 
 class InferenceServer:
@@ -122,7 +126,8 @@ class InferenceServer:
 
     def _submit(self, message: dict, arrays: dict, arenas: dict, writer: asyncio.StreamWriter) -> None:
         """A frame's requests onto the batcher as one entry: the slots of the worker's arena they filled. Requests
-        the queue has no room for are refused, the frame's last ones first."""
+        the queue has no room for are refused, the frame's last ones first, as are those whose shared memory
+        cannot be had."""
         model, kind = message["model"], message["kind"]
         key = message["arena"]
         if key not in arenas:
@@ -130,29 +135,57 @@ class InferenceServer:
             path = self.socket_path.parent / key
             arenas[key] = map_records(path, dtype, path.stat().st_size // dtype.itemsize)
         starts, counts = arrays["start"], arrays["count"]
-        frame = self._frames[writer, message["frame"]] = Frame(message["frame"], writer, starts, counts)
+        frame = self._frames[writer, message["frame"]] = Frame(message["frame"], writer, arenas[key], starts, counts)
         try:
             frame.batcher = batcher = self.backend.batcher(model)
         except ServiceError as e:
             return self._refuse_all(frame, e)
-        ends = np.cumsum(counts)
+        inputs = self._requests_inputs(frame, message, arrays, kind)  # refuses requests whose memory is not there
+        kept = np.arange(len(starts))
+        if frame.errors:
+            kept = np.array([i for i in kept if str(starts[i]) not in frame.errors], np.int64)
+        ends = np.cumsum(counts[kept])
         fits = int(np.searchsorted(ends, batcher.room, "right"))
-        if fits < len(starts):
+        if fits < len(kept):
             busy = overloaded(f"{model} is busy: {batcher.depth} images are queued, and more would pass its limit of "
                               f"{batcher.queue_limit}; retry later", self.settings.retry_after_s)
-            if not fits:
-                return self._refuse_all(frame, busy)
-            self._fail(frame, range(fits, len(starts)), busy)
-        images = int(ends[fits - 1])
-        rows = np.repeat(starts[:fits] - (ends[:fits] - counts[:fits]), counts[:fits]) + np.arange(images)
-        jpegs = None
-        if kind == "jpeg":
-            edges = np.concatenate([[0], np.cumsum(arrays["jpeg_size"][:images])]).tolist()
-            blob = arrays["jpegs"].tobytes()
-            jpegs = [blob[a:b] for a, b in zip(edges, edges[1:])]
-        frame.entry = batcher.submit(arenas[key], int(arrays["top_k"][:fits].max()), jpegs, rows,
+            self._fail(frame, kept[fits:], busy)
+            kept, ends = kept[:fits], ends[:fits]
+        if not len(kept):
+            return self._done(frame)
+        images = int(ends[-1])
+        rows = np.repeat(starts[kept] - (ends - counts[kept]), counts[kept]) + np.arange(images)
+        row_inputs = None if inputs is None else [x for i in kept.tolist() for x in inputs[i]]
+        frame.entry = batcher.submit(frame.records, int(arrays["top_k"][kept].max()), row_inputs, rows,
                                      on_taken=lambda: self._taken(frame))
         frame.entry.future.add_done_callback(lambda future: self._finished(frame, future))
+
+    def _requests_inputs(self, frame: Frame, message: dict, arrays: dict, kind: str) -> list[list] | None:
+        """Each request's rows' inputs where the records do not hold them (JPEG bytes, or views of shared memory),
+        else None. Requests with tensors in shared memory claim it (Frame.claims); those that cannot are refused."""
+        if kind == "jpeg":
+            edges = np.concatenate([[0], np.cumsum(arrays["jpeg_size"])]).tolist()
+            blob = arrays["jpegs"].tobytes()
+            jpegs = [blob[a:b] for a, b in zip(edges, edges[1:])]
+            bounds = np.concatenate([[0], np.cumsum(frame.counts)]).tolist()
+            return [jpegs[a:b] for a, b in zip(bounds, bounds[1:])]
+        if "shared" not in message:
+            return None
+        inputs = []
+        for i, io in enumerate(message["shared"]):
+            inputs.append([])
+            if io is None:
+                continue
+            first = int(frame.starts[i])
+            try:
+                claim = self.backend.regions.claim(SharedIO.from_wire(io), frame.records[first:first + frame.counts[i]],
+                                                   kind)
+            except ServiceError as e:
+                self._fail(frame, [i], e)
+                continue
+            frame.claims[i] = claim
+            inputs[-1] = claim.inputs or []
+        return inputs if any(io is not None and io[0] is not None for io in message["shared"]) else None
 
     def _fail(self, frame: Frame, requests: Iterable[int], error: Exception) -> None:
         if not isinstance(error, ServiceError):
@@ -167,11 +200,13 @@ class InferenceServer:
         """A client has gone: its request's slots leave the queue, those not yet in a batch."""
         frame = self._frames.get((writer, message["frame"]))
         if frame is not None and frame.entry is not None:
+            frame.cancelled.add(message["start"])
             frame.batcher.drop(frame.entry, message["start"], message["start"] + message["count"])
 
     def _finished(self, frame: Frame, future: asyncio.Future) -> None:
         if future.cancelled():  # the worker has gone, or the process stops: nobody to answer
             self._frames.pop((frame.writer, frame.key), None)
+            self._release(frame)
             return
         if (error := future.exception()) is not None:  # the batch failed: every request in it
             self._fail(frame, range(len(frame.starts)), error)
@@ -191,8 +226,18 @@ class InferenceServer:
             frame.taken = True
             self._tell(frame, {"op": "taken", "frame": frame.key})
 
+    def _release(self, frame: Frame, answered: bool = False) -> None:
+        """The frame's shared memory let go, once the outputs of its requests answered are written there."""
+        for i, claim in frame.claims.items():
+            first = int(frame.starts[i])
+            if answered and str(first) not in frame.errors and first not in frame.cancelled:
+                claim.write(frame.records[first:first + frame.counts[i]])
+            claim.release()
+        frame.claims.clear()
+
     def _done(self, frame: Frame) -> None:
         """The frame's answer: the worker frees its slots on it."""
+        self._release(frame, answered=True)
         self._taken(frame)
         self._frames.pop((frame.writer, frame.key), None)
         self._tell(frame, {"op": "done", "frame": frame.key, "errors": frame.errors})
@@ -229,6 +274,14 @@ class InferenceServer:
             return {"models": await backend.index()}, {}
         if op == "keep":
             return {"kept": await backend.keep(message["key"], wire.record_from_wire(message, arrays))}, {}
+        if op == "register_region":
+            await backend.register_region(message["name"], message["key"], message["offset"], message["byte_size"])
+            return {}, {}
+        if op == "unregister_region":
+            await backend.unregister_region(message["name"])
+            return {}, {}
+        if op == "region_status":
+            return {"regions": await backend.region_status(message["name"])}, {}
         if op == "recall":
             record = await backend.recall(message["key"])
             return wire.record_to_wire(record) if record is not None else ({"missing": True}, {})

@@ -1,10 +1,44 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TYPE_INVALID: _ClassVar[DataType]
+    TYPE_BOOL: _ClassVar[DataType]
+    TYPE_UINT8: _ClassVar[DataType]
+    TYPE_UINT16: _ClassVar[DataType]
+    TYPE_UINT32: _ClassVar[DataType]
+    TYPE_UINT64: _ClassVar[DataType]
+    TYPE_INT8: _ClassVar[DataType]
+    TYPE_INT16: _ClassVar[DataType]
+    TYPE_INT32: _ClassVar[DataType]
+    TYPE_INT64: _ClassVar[DataType]
+    TYPE_FP16: _ClassVar[DataType]
+    TYPE_FP32: _ClassVar[DataType]
+    TYPE_FP64: _ClassVar[DataType]
+    TYPE_STRING: _ClassVar[DataType]
+    TYPE_BF16: _ClassVar[DataType]
+TYPE_INVALID: DataType
+TYPE_BOOL: DataType
+TYPE_UINT8: DataType
+TYPE_UINT16: DataType
+TYPE_UINT32: DataType
+TYPE_UINT64: DataType
+TYPE_INT8: DataType
+TYPE_INT16: DataType
+TYPE_INT32: DataType
+TYPE_INT64: DataType
+TYPE_FP16: DataType
+TYPE_FP32: DataType
+TYPE_FP64: DataType
+TYPE_STRING: DataType
+TYPE_BF16: DataType
 
 class ServerLiveRequest(_message.Message):
     __slots__ = ()
@@ -301,5 +335,329 @@ class RepositoryModelUnloadRequest(_message.Message):
     def __init__(self, repository_name: _Optional[str] = ..., model_name: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelRepositoryParameter]] = ...) -> None: ...
 
 class RepositoryModelUnloadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelVersionPolicy(_message.Message):
+    __slots__ = ("latest", "all", "specific")
+    class Latest(_message.Message):
+        __slots__ = ("num_versions",)
+        NUM_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+        num_versions: int
+        def __init__(self, num_versions: _Optional[int] = ...) -> None: ...
+    class All(_message.Message):
+        __slots__ = ()
+        def __init__(self) -> None: ...
+    class Specific(_message.Message):
+        __slots__ = ("versions",)
+        VERSIONS_FIELD_NUMBER: _ClassVar[int]
+        versions: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    SPECIFIC_FIELD_NUMBER: _ClassVar[int]
+    latest: ModelVersionPolicy.Latest
+    all: ModelVersionPolicy.All
+    specific: ModelVersionPolicy.Specific
+    def __init__(self, latest: _Optional[_Union[ModelVersionPolicy.Latest, _Mapping]] = ..., all: _Optional[_Union[ModelVersionPolicy.All, _Mapping]] = ..., specific: _Optional[_Union[ModelVersionPolicy.Specific, _Mapping]] = ...) -> None: ...
+
+class ModelInput(_message.Message):
+    __slots__ = ("name", "data_type", "format", "dims", "optional")
+    class Format(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        FORMAT_NONE: _ClassVar[ModelInput.Format]
+        FORMAT_NHWC: _ClassVar[ModelInput.Format]
+        FORMAT_NCHW: _ClassVar[ModelInput.Format]
+    FORMAT_NONE: ModelInput.Format
+    FORMAT_NHWC: ModelInput.Format
+    FORMAT_NCHW: ModelInput.Format
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONAL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data_type: DataType
+    format: ModelInput.Format
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    optional: bool
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., format: _Optional[_Union[ModelInput.Format, str]] = ..., dims: _Optional[_Iterable[int]] = ..., optional: _Optional[bool] = ...) -> None: ...
+
+class ModelOutput(_message.Message):
+    __slots__ = ("name", "data_type", "dims", "label_filename")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FILENAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data_type: DataType
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    label_filename: str
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., label_filename: _Optional[str] = ...) -> None: ...
+
+class ModelDynamicBatching(_message.Message):
+    __slots__ = ("preferred_batch_size", "max_queue_delay_microseconds", "preserve_ordering")
+    PREFERRED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRESERVE_ORDERING_FIELD_NUMBER: _ClassVar[int]
+    preferred_batch_size: _containers.RepeatedScalarFieldContainer[int]
+    max_queue_delay_microseconds: int
+    preserve_ordering: bool
+    def __init__(self, preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ..., preserve_ordering: _Optional[bool] = ...) -> None: ...
+
+class ModelInstanceGroup(_message.Message):
+    __slots__ = ("name", "count", "gpus", "kind")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_AUTO: _ClassVar[ModelInstanceGroup.Kind]
+        KIND_GPU: _ClassVar[ModelInstanceGroup.Kind]
+        KIND_CPU: _ClassVar[ModelInstanceGroup.Kind]
+        KIND_MODEL: _ClassVar[ModelInstanceGroup.Kind]
+    KIND_AUTO: ModelInstanceGroup.Kind
+    KIND_GPU: ModelInstanceGroup.Kind
+    KIND_CPU: ModelInstanceGroup.Kind
+    KIND_MODEL: ModelInstanceGroup.Kind
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    count: int
+    gpus: _containers.RepeatedScalarFieldContainer[int]
+    kind: ModelInstanceGroup.Kind
+    def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., gpus: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[ModelInstanceGroup.Kind, str]] = ...) -> None: ...
+
+class ModelParameter(_message.Message):
+    __slots__ = ("string_value",)
+    STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    string_value: str
+    def __init__(self, string_value: _Optional[str] = ...) -> None: ...
+
+class ModelConfig(_message.Message):
+    __slots__ = ("name", "platform", "backend", "version_policy", "max_batch_size", "input", "output", "dynamic_batching", "instance_group", "default_model_filename", "parameters")
+    class ParametersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ModelParameter
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ModelParameter, _Mapping]] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MODEL_FILENAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    platform: str
+    backend: str
+    version_policy: ModelVersionPolicy
+    max_batch_size: int
+    input: _containers.RepeatedCompositeFieldContainer[ModelInput]
+    output: _containers.RepeatedCompositeFieldContainer[ModelOutput]
+    dynamic_batching: ModelDynamicBatching
+    instance_group: _containers.RepeatedCompositeFieldContainer[ModelInstanceGroup]
+    default_model_filename: str
+    parameters: _containers.MessageMap[str, ModelParameter]
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ...) -> None: ...
+
+class ModelConfigRequest(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ModelConfigResponse(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: ModelConfig
+    def __init__(self, config: _Optional[_Union[ModelConfig, _Mapping]] = ...) -> None: ...
+
+class ModelStatisticsRequest(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class StatisticDuration(_message.Message):
+    __slots__ = ("count", "ns")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    NS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    ns: int
+    def __init__(self, count: _Optional[int] = ..., ns: _Optional[int] = ...) -> None: ...
+
+class InferStatistics(_message.Message):
+    __slots__ = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    FAIL_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INPUT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INFER_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISS_FIELD_NUMBER: _ClassVar[int]
+    success: StatisticDuration
+    fail: StatisticDuration
+    queue: StatisticDuration
+    compute_input: StatisticDuration
+    compute_infer: StatisticDuration
+    compute_output: StatisticDuration
+    cache_hit: StatisticDuration
+    cache_miss: StatisticDuration
+    def __init__(self, success: _Optional[_Union[StatisticDuration, _Mapping]] = ..., fail: _Optional[_Union[StatisticDuration, _Mapping]] = ..., queue: _Optional[_Union[StatisticDuration, _Mapping]] = ..., compute_input: _Optional[_Union[StatisticDuration, _Mapping]] = ..., compute_infer: _Optional[_Union[StatisticDuration, _Mapping]] = ..., compute_output: _Optional[_Union[StatisticDuration, _Mapping]] = ..., cache_hit: _Optional[_Union[StatisticDuration, _Mapping]] = ..., cache_miss: _Optional[_Union[StatisticDuration, _Mapping]] = ...) -> None: ...
+
+class InferBatchStatistics(_message.Message):
+    __slots__ = ("batch_size", "compute_input", "compute_infer", "compute_output")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INPUT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INFER_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    compute_input: StatisticDuration
+    compute_infer: StatisticDuration
+    compute_output: StatisticDuration
+    def __init__(self, batch_size: _Optional[int] = ..., compute_input: _Optional[_Union[StatisticDuration, _Mapping]] = ..., compute_infer: _Optional[_Union[StatisticDuration, _Mapping]] = ..., compute_output: _Optional[_Union[StatisticDuration, _Mapping]] = ...) -> None: ...
+
+class ModelStatistics(_message.Message):
+    __slots__ = ("name", "version", "last_inference", "inference_count", "execution_count", "inference_stats", "batch_stats")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_INFERENCE_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_STATS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_STATS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    last_inference: int
+    inference_count: int
+    execution_count: int
+    inference_stats: InferStatistics
+    batch_stats: _containers.RepeatedCompositeFieldContainer[InferBatchStatistics]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., last_inference: _Optional[int] = ..., inference_count: _Optional[int] = ..., execution_count: _Optional[int] = ..., inference_stats: _Optional[_Union[InferStatistics, _Mapping]] = ..., batch_stats: _Optional[_Iterable[_Union[InferBatchStatistics, _Mapping]]] = ...) -> None: ...
+
+class ModelStatisticsResponse(_message.Message):
+    __slots__ = ("model_stats",)
+    MODEL_STATS_FIELD_NUMBER: _ClassVar[int]
+    model_stats: _containers.RepeatedCompositeFieldContainer[ModelStatistics]
+    def __init__(self, model_stats: _Optional[_Iterable[_Union[ModelStatistics, _Mapping]]] = ...) -> None: ...
+
+class SystemSharedMemoryStatusRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class SystemSharedMemoryStatusResponse(_message.Message):
+    __slots__ = ("regions",)
+    class RegionStatus(_message.Message):
+        __slots__ = ("name", "key", "offset", "byte_size")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        OFFSET_FIELD_NUMBER: _ClassVar[int]
+        BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        key: str
+        offset: int
+        byte_size: int
+        def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+    class RegionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: SystemSharedMemoryStatusResponse.RegionStatus
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SystemSharedMemoryStatusResponse.RegionStatus, _Mapping]] = ...) -> None: ...
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.MessageMap[str, SystemSharedMemoryStatusResponse.RegionStatus]
+    def __init__(self, regions: _Optional[_Mapping[str, SystemSharedMemoryStatusResponse.RegionStatus]] = ...) -> None: ...
+
+class SystemSharedMemoryRegisterRequest(_message.Message):
+    __slots__ = ("name", "key", "offset", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class SystemSharedMemoryRegisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SystemSharedMemoryUnregisterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class SystemSharedMemoryUnregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CudaSharedMemoryStatusRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class CudaSharedMemoryStatusResponse(_message.Message):
+    __slots__ = ("regions",)
+    class RegionStatus(_message.Message):
+        __slots__ = ("name", "device_id", "byte_size")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+        BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        device_id: int
+        byte_size: int
+        def __init__(self, name: _Optional[str] = ..., device_id: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+    class RegionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: CudaSharedMemoryStatusResponse.RegionStatus
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[CudaSharedMemoryStatusResponse.RegionStatus, _Mapping]] = ...) -> None: ...
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.MessageMap[str, CudaSharedMemoryStatusResponse.RegionStatus]
+    def __init__(self, regions: _Optional[_Mapping[str, CudaSharedMemoryStatusResponse.RegionStatus]] = ...) -> None: ...
+
+class CudaSharedMemoryRegisterRequest(_message.Message):
+    __slots__ = ("name", "raw_handle", "device_id", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RAW_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    raw_handle: bytes
+    device_id: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., raw_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class CudaSharedMemoryRegisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CudaSharedMemoryUnregisterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class CudaSharedMemoryUnregisterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

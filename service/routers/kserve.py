@@ -1,5 +1,6 @@
-"""The Open Inference Protocol (KServe v2) over REST, the subset that Triton's clients use (the protocol itself,
-apart from its transport, is open_inference.py; gRPC is grpc_server.py).
+"""The Open Inference Protocol (KServe v2) over REST, the subset that Triton's clients use, with Triton's model
+configuration and statistics extensions (the protocol itself, apart from its transport, is open_inference.py;
+gRPC is grpc_server.py; the system shared-memory extension, routers/shared_memory.py).
 
 Tensors travel as JSON `data` lists or, with the binary tensor extension (tritonclient's default), as raw
 little-endian bytes after the JSON header, whose length is in the Inference-Header-Content-Length header.
@@ -19,8 +20,12 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from ..errors import BadInput, TooLarge
-from ..open_inference import find_model, model_inputs, model_outputs, served_metadata
+from ..metrics import collected
+from ..open_inference import (Batch, find_model, model_config, model_inputs, model_outputs,
+                              extensions, served_metadata, shared_outputs)
 from ..pipeline import Pipeline, Pipelines
+from ..shared_memory import Slice
+from ..statistics import Readings, served_statistics
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -34,7 +39,22 @@ def _model(request: Request, name: str, version_: str | None) -> Pipeline:
     return find_model(_pipelines(request), name, version_)
 
 
-class InputParameters(BaseModel):
+class SharedMemoryParameters(BaseModel):
+    """Triton's: the tensor lies in a registered shared-memory region (routers/shared_memory.py), not the body."""
+    shared_memory_region: str | None = None
+    shared_memory_byte_size: int | None = Field(None, ge=0)
+    shared_memory_offset: int = Field(0, ge=0)
+
+    def place(self, what: str) -> Slice | None:
+        """Where in shared memory the tensor lies, if it does (the fields are checked already: whole, at least 0)."""
+        if self.shared_memory_region is None:
+            return None
+        if self.shared_memory_byte_size is None:
+            raise BadInput(f"{what}: shared_memory_region needs a shared_memory_byte_size")
+        return Slice(self.shared_memory_region, self.shared_memory_offset, self.shared_memory_byte_size)
+
+
+class InputParameters(SharedMemoryParameters):
     binary_data_size: int | None = Field(None, ge=0)
 
 
@@ -46,7 +66,7 @@ class RequestInput(BaseModel):
     parameters: InputParameters = InputParameters()
 
 
-class OutputParameters(BaseModel):
+class OutputParameters(SharedMemoryParameters):
     binary_data: bool | None = None
 
 
@@ -100,7 +120,7 @@ def _json_end(body: bytes | bytearray, header_length: str | None) -> int:
 
 
 def parse_request(body: bytes | bytearray, header_length: str | None, pipeline: Pipeline
-                  ) -> tuple[InferenceRequest, tuple[np.ndarray, np.ndarray]]:
+                  ) -> tuple[InferenceRequest, tuple[Batch, Batch]]:
     """The request's JSON header and its inputs as the graph's two batches (images, pixel_values), checked against
     the model's inputs. Binary tensors follow the JSON in the order of the inputs. Pydantic's JSON parser bounds
     the nesting (a body nested 5,000 deep is a 400, not a RecursionError)."""
@@ -114,8 +134,10 @@ def parse_request(body: bytes | bytearray, header_length: str | None, pipeline: 
                        + f"{where}: {first['msg']}".strip(": ")) from None
     starts = np.cumsum([json_end] + [t.parameters.binary_data_size or 0 for t in header.inputs]).tolist()
 
-    def values(i: int, dtype: np.dtype) -> np.ndarray:
+    def values(i: int, dtype: np.dtype) -> np.ndarray | Slice:
         tensor = header.inputs[i]
+        if (place := tensor.parameters.place(f"input {tensor.name!r}")) is not None:
+            return place
         try:
             if tensor.parameters.binary_data_size is not None:
                 return np.frombuffer(memoryview(body)[starts[i]:starts[i + 1]], dtype=dtype)
@@ -136,15 +158,26 @@ def json_numbers(value: np.ndarray) -> list:
     return np.where(np.isfinite(flat), flat, None).tolist()
 
 
-def build_response(pipeline: Pipeline, header: InferenceRequest, fields: dict[str, np.ndarray]) -> Response:
-    """JSON, or JSON header + raw bytes for the outputs asked for in binary."""
+def requested_shared(pipeline: Pipeline, header: InferenceRequest) -> dict[str, Slice]:
+    """The outputs the request asks for in shared memory, by name."""
+    return shared_outputs(pipeline, {out.name: out.parameters.place(f"output {out.name!r}")
+                                     for out in header.outputs or []})
+
+
+def build_response(pipeline: Pipeline, header: InferenceRequest, fields: dict[str, np.ndarray],
+                   shared: dict[str, Slice]) -> Response:
+    """JSON, or JSON header + raw bytes for the outputs asked for in binary. Those in shared memory (`shared`,
+    written there already) are listed as Triton lists them, without data or parameters (its clients take any
+    parameters of an output for binary data that follows)."""
     asked = header.outputs or []
     outputs = model_outputs(pipeline, fields, [out.name for out in asked])
     binary = {out.name: out.parameters.binary_data for out in asked}
     tensors, blobs = [], []
     for name, value in outputs.items():
         tensor = {"name": name, "datatype": "FP32", "shape": list(value.shape)}
-        if header.parameters.binary_data_output if binary.get(name) is None else binary[name]:
+        if name in shared:
+            pass
+        elif header.parameters.binary_data_output if binary.get(name) is None else binary[name]:
             blobs.append(value.tobytes())
             tensor["parameters"] = {"binary_data_size": len(blobs[-1])}
         else:
@@ -207,15 +240,15 @@ async def infer_version(request: Request, name: str, version_: str | None) -> Re
     if parsed is None or pipeline is not first:  # (reloaded while it was parsed: rare, checked again here)
         parsed = parse_request(body, length, pipeline)
     header, (images, pixels) = parsed
-    out = await pipeline.tensors(images, pixels)
-    return build_response(pipeline, header, out.fields)
+    shared = requested_shared(pipeline, header)
+    out = await pipeline.tensors(images, pixels, shared)
+    return build_response(pipeline, header, out.fields, shared)
 
 
 @router.get("", summary="Server metadata")
 @router.get("/", include_in_schema=False)  # the same answer, not a 307 to /v2: clients join paths with a slash
-async def server_metadata() -> dict:
-    return {"name": "vitserve", "version": version("vitserve"),
-            "extensions": ["binary_tensor_data", "model_repository"]}
+async def server_metadata(request: Request) -> dict:
+    return {"name": "vitserve", "version": version("vitserve"), "extensions": extensions(_pipelines(request).settings)}
 
 
 @router.get("/health/live", summary="200 while the server runs")
@@ -232,6 +265,36 @@ async def ready(request: Request) -> dict:
 
 METADATA = {"summary": "Model metadata: inputs, outputs and preprocessing"}
 READY = {"summary": "200 once this model serves, 400 before or after it failed"}
+CONFIG = {"summary": "Triton's model configuration of what serves the model (the model configuration extension)"}
+STATS = {"summary": "Triton's statistics of the model's versions: requests, queue and compute times, batches (the "
+                    "statistics extension)"}
+
+
+# before the metadata routes: /v2/models/stats is not a model named "stats"
+@router.get("/models/stats", summary="Triton's statistics of every model version served")
+async def every_statistics(request: Request) -> dict:
+    return await statistics_version(request, "", None)
+
+
+@router.get("/models/{name}/stats", **STATS)
+async def statistics(request: Request, name: str) -> dict:
+    return await statistics_version(request, name, None)
+
+
+@router.get("/models/{name}/versions/{version_}/stats", **STATS)
+async def statistics_version(request: Request, name: str, version_: str | None) -> dict:
+    readings = Readings(collected(request.app.state.metrics))
+    return {"model_stats": served_statistics(readings, _pipelines(request), name, version_)}
+
+
+@router.get("/models/{name}/config", **CONFIG)
+async def config(request: Request, name: str) -> dict:
+    return await config_version(request, name, None)
+
+
+@router.get("/models/{name}/versions/{version_}/config", **CONFIG)
+async def config_version(request: Request, name: str, version_: str | None) -> dict:
+    return model_config(_pipelines(request), name, version_)
 
 
 # each route once with and once without its version, so that neither lists a parameter it does not have
