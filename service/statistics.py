@@ -29,18 +29,18 @@ class Readings:
             for sample in family.samples:
                 self._by_name[sample.name].append((sample.labels, sample.value))
 
+    def _matching(self, name: str, labels: dict[str, str]) -> list[tuple[dict, float]]:
+        return [(got, value) for got, value in self._by_name.get(name, ())
+                if all(got.get(k) == v for k, v in labels.items())]
+
     def total(self, name: str, **labels: str) -> float:
-        return sum(value for got, value in self._by_name.get(name, ()) if all(got.get(k) == v
-                                                                               for k, v in labels.items()))
+        return sum(value for _, value in self._matching(name, labels))
 
     def most(self, name: str, **labels: str) -> float:
-        return max((value for got, value in self._by_name.get(name, ()) if all(got.get(k) == v
-                                                                                for k, v in labels.items())),
-                   default=0.0)
+        return max((value for _, value in self._matching(name, labels)), default=0.0)
 
     def label_values(self, name: str, label: str, **labels: str) -> set[str]:
-        return {got[label] for got, _ in self._by_name.get(name, ()) if label in got
-                and all(got.get(k) == v for k, v in labels.items())}
+        return {got[label] for got, _ in self._matching(name, labels) if label in got}
 
 
 def _duration(count: float, seconds: float) -> dict:

@@ -175,14 +175,14 @@ def build_response(pipeline: Pipeline, header: InferenceRequest, fields: dict[st
     tensors, blobs = [], []
     for name, value in outputs.items():
         tensor = {"name": name, "datatype": "FP32", "shape": list(value.shape)}
+        tensors.append(tensor)
         if name in shared:
-            pass
-        elif header.parameters.binary_data_output if binary.get(name) is None else binary[name]:
+            continue
+        if header.parameters.binary_data_output if binary.get(name) is None else binary[name]:
             blobs.append(value.tobytes())
             tensor["parameters"] = {"binary_data_size": len(blobs[-1])}
         else:
             tensor["data"] = json_numbers(value)
-        tensors.append(tensor)
     body = {"model_name": pipeline.name, "model_version": str(pipeline.entry.version), "outputs": tensors}
     if header.id is not None:
         body["id"] = header.id
