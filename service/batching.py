@@ -68,6 +68,7 @@ class Batcher:
         self._preparing = 0  # requests decoding images that will come to this batcher
         self.elsewhere: Callable[[], int] = lambda: 0  # the same, counted by other processes
         self.depth = 0  # queued images not yet in a batch
+        self.finished = 0  # batches run to their end (or failure): progress, for the inference process's pulse
         self._depth_gauge = metrics.queue_depth.labels(name)
         self._observe_batch = metrics.batch_observer(name)
         self._depth_told = True  # the gauge shows the depth (set once per turn of the event loop at most)
@@ -110,6 +111,7 @@ class Batcher:
             raise self._failed(e, len(records)) from None
         finally:
             self._one_at_a_time.release()
+            self.finished += 1
         self._observe_batch(len(records), elapsed)
         return True
 
@@ -123,6 +125,11 @@ class Batcher:
         log.exception("%s: a batch of %d images failed", self.name, images)
         return ServiceError(f"inference failed on this request's batch: {type(error).__name__}: {error}",
                             "inference_failed")
+
+    @property
+    def busy(self) -> bool:
+        """Images queued, being gathered or running."""
+        return bool(self._waiting or self._gathering or self._running)
 
     @property
     def room(self) -> int:
@@ -270,6 +277,7 @@ class Batcher:
             return
         finally:
             self._slots.release()
+            self.finished += 1
         if self._waiting:  # let the loop start the next batch before it answers this one's entries, so that the
             await asyncio.sleep(0)  # inference thread is not idle while they are encoded
         self._observe_batch(sum(p.size for p in parts), elapsed)

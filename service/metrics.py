@@ -76,6 +76,8 @@ class Metrics:
                                            "their inputs (compute_input), running (compute_infer) and writing "
                                            "results (compute_output), by batch size",
                                            ["model", "batch_size", "phase"], registry=r)
+        self.inference_restarts = Counter("vitserve_inference_restarts", "the process backend's inference process "
+                                          "started again after it died or hung", registry=r)
         self.last_inference = Gauge("vitserve_last_inference_timestamp_seconds", "when the graph's last batch ran",
                                     ["model"], registry=r, multiprocess_mode="max")
 

@@ -298,7 +298,7 @@ class Pipelines:
     @property
     def ready(self) -> bool:
         status = self.backend.status().values()
-        return all(s.settled for s in status) and any(s.ready for s in status)
+        return self.backend.problem() is None and all(s.settled for s in status) and any(s.ready for s in status)
 
     def served(self) -> dict[str, Pipeline]:
         """A pipeline per model version the backend serves or loads (not those unloaded), by key, made anew after
@@ -355,6 +355,8 @@ class Pipelines:
         it is not a model for `task`. A route asks for it again once the request's body is in, so that no await
         separates it from the records taken (Backend.preparing, records): a version being unloaded then either
         is not chosen, or counts the request before its drain finishes."""
+        if (problem := self.backend.problem()) is not None:  # the inference process restarting, or hung
+            raise problem
         if name is None and task == "expression":
             self._sync()
             name = next((p.name for p in self._latest.values() if p.entry.task == "expression"), None)

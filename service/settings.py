@@ -36,6 +36,21 @@ class Settings(BaseSettings):
     queue_limit: int = Field(256, ge=1, description="queued images per model beyond which requests get 503; "
                                                    "one request with more gets 413")
     request_timeout_s: float = Field(30.0, gt=0, description="longest wait for a result before 503")
+    header_timeout_s: float = Field(60.0, gt=0, description="a connection that has not sent a whole request head "
+                                                            "this long after it opened or got its last answer is "
+                                                            "closed (408 if it sent part of one): nginx's "
+                                                            "client_header_timeout")
+    inference_unready_after_s: float = Field(30.0, gt=0, description="process backend: the inference process "
+                                             "silent this long (its event loop stopped, or waiting work with no "
+                                             "batch finished) makes /health/ready 503 and requests 503")
+    inference_kill_after_s: float = Field(120.0, gt=0, description="process backend: silent this long, the "
+                                          "inference process is killed and another started; keep it above the "
+                                          "longest batch a model may take")
+    inference_max_crashes: int = Field(5, ge=1, description="process backend: the inference process is started "
+                                       "again after it dies or hangs, unless this is the crash number this many "
+                                       "within INFERENCE_CRASH_WINDOW_S: then the service exits 1, for its "
+                                       "orchestrator to see")
+    inference_crash_window_s: float = Field(600.0, gt=0, description="the window INFERENCE_MAX_CRASHES counts in")
     access_log: bool = Field(True, description="a line per request (uvicorn's access log, at log level info); "
                                                "off for the last bit of throughput")
     api_key: SecretStr | None = Field(None, description="if set, every route but health, metrics and the docs needs "

@@ -1,10 +1,16 @@
 """Run the process backend: one inference process and N HTTP worker processes on one port.
 
 The supervisor makes a private runtime folder (in /dev/shm where it can: the workers' arenas, the inference
-process's socket, prometheus-client's multiprocess files), starts the inference process, binds the port (one
-listening socket per worker on Linux, which spreads connections over them; elsewhere one that all share) and
-starts the workers. A worker that dies is replaced. SIGTERM or Ctrl-C drains: the workers stop accepting and
-finish every request they accepted, then the inference process, which by then has nothing queued, stops.
+process's socket and heartbeat, prometheus-client's multiprocess files), starts the inference process, binds the
+port (one listening socket per worker on Linux, which spreads connections over them; elsewhere one that all share)
+and starts the workers. A worker that dies is replaced. So is the inference process, in place, after a backoff:
+when it dies (a CUDA error that poisons its context, an out-of-memory kill, a segfault in a provider), and when its
+heartbeat says it has made no progress for VITSERVE_INFERENCE_KILL_AFTER_S (a wedged kernel, a deadlock), when it
+is killed first. The workers stay up meanwhile, answer 503 (`inference_restarting`) and join the new one. The
+crash number VITSERVE_INFERENCE_MAX_CRASHES within VITSERVE_INFERENCE_CRASH_WINDOW_S stops the service instead,
+with exit status 1: a fault that keeps coming back is for the orchestrator (or a person) to see. SIGTERM or Ctrl-C
+drains: the workers stop accepting and finish every request they accepted, then the inference process, which by
+then has nothing queued, stops.
 """
 import ctypes
 import logging
@@ -16,15 +22,19 @@ import socket
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import uvicorn
 from prometheus_client import multiprocess
+from prometheus_client import values as prometheus_values
 
 from .app import create_app
 from .backends import server
+from .backends.heartbeat import HEARTBEAT, Heartbeat
 from .backends.process import ProcessBackend
 from .http_server import server_options
+from .metrics import Metrics
 from .settings import Settings
 
 log = logging.getLogger("vitserve")
@@ -89,8 +99,26 @@ def worker_count(settings: Settings) -> int:
     return settings.workers or max(2, (os.cpu_count() or 2) - 1)
 
 
+class Crashes:
+    """The inference process's crashes within the window, and how long to wait before the next start."""
+
+    def __init__(self, most: int, window_s: float):
+        self.most, self.window_s, self.times = most, window_s, deque()
+
+    def crashed(self, now: float) -> bool:
+        """Count one; False where that makes the most the window allows: stop."""
+        self.times.append(now)
+        while self.times[0] < now - self.window_s:
+            self.times.popleft()
+        return len(self.times) < self.most
+
+    def backoff_s(self) -> float:
+        """1 s after a first crash, then doubling, to 30 s: a fault that recurs at once is not retried in a loop."""
+        return min(30.0, 2.0 ** (len(self.times) - 1))
+
+
 def serve(settings: Settings, log_level: str = "info") -> int:
-    """Run until SIGTERM/SIGINT; the exit status (1 if the inference process failed)."""
+    """Run until SIGTERM/SIGINT; the exit status (1 if the inference process kept failing)."""
     count = worker_count(settings)
     socks = listeners(settings.host, settings.port, count)
     if settings.grpc_port:  # so does the gRPC port, which the workers then share (SO_REUSEPORT)
@@ -98,7 +126,11 @@ def serve(settings: Settings, log_level: str = "info") -> int:
     folder = runtime_folder()
     (folder / "metrics").mkdir()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder / "metrics")  # inherited by every process started below
+    # prometheus-client chose where values go when this process imported it, before the folder was set
+    prometheus_values.ValueClass = prometheus_values.get_value_class()
+    restarts = Metrics().inference_restarts
     socket_path = folder / "inference.sock"
+    heartbeat = Heartbeat(folder / HEARTBEAT)
     context = multiprocessing.get_context("spawn")
     stopping = False
 
@@ -108,9 +140,13 @@ def serve(settings: Settings, log_level: str = "info") -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    inference = context.Process(target=inference_main, args=(settings, socket_path, log_level),
-                                name="vitserve-inference")
-    inference.start()
+
+    def start_inference() -> multiprocessing.Process:
+        heartbeat.reset()  # silent until its first beat: starting up is no hang
+        process = context.Process(target=inference_main, args=(settings, socket_path, log_level),
+                                  name="vitserve-inference")
+        process.start()
+        return process
 
     def start_worker(i: int) -> multiprocessing.Process:
         """Worker i on socket i, which the supervisor holds open: connections the kernel gives it while its worker
@@ -120,17 +156,33 @@ def serve(settings: Settings, log_level: str = "info") -> int:
         worker.start()
         return worker
 
+    inference = start_inference()
     workers = [start_worker(i) for i in range(count)]
     log.info("vitserve on http://%s:%d: %d HTTP workers, one inference process", settings.host, settings.port,
              len(workers))
-    status = 0
+    crashes = Crashes(settings.inference_max_crashes, settings.inference_crash_window_s)
+    status, restart_at = 0, None
     try:
         while not stopping:
             time.sleep(0.2)
-            if not inference.is_alive():
-                log.error("the inference process exited with %s; stopping", inference.exitcode)
-                status = 1
-                break
+            if restart_at is None and not inference.is_alive():
+                multiprocess.mark_process_dead(inference.pid)
+                if not crashes.crashed(time.monotonic()):
+                    log.error("the inference process exited with %s, its crash number %d within %gs; stopping",
+                              inference.exitcode, crashes.most, crashes.window_s)
+                    status = 1
+                    break
+                log.error("the inference process exited with %s; starting another in %gs", inference.exitcode,
+                          crashes.backoff_s())
+                restart_at = time.monotonic() + crashes.backoff_s()
+            elif restart_at is not None and time.monotonic() >= restart_at:
+                inference, restart_at = start_inference(), None
+                restarts.inc()
+            elif restart_at is None and (silence := heartbeat.silence()) is not None \
+                    and silence > settings.inference_kill_after_s:
+                log.error("the inference process has made no progress for %.0fs; killing it", silence)
+                inference.kill()  # (SIGKILL reaches a stopped process too) the next turn counts it and restarts
+                inference.join()
             for i, worker in enumerate(workers):
                 if not worker.is_alive():
                     log.error("HTTP worker %d exited with %s; starting another", worker.pid, worker.exitcode)

@@ -37,6 +37,13 @@ def free_port() -> int:
 def running_service(wait_ready: bool = True, **settings) -> Iterator[str]:
     """Yield the base URL of a service started with VITSERVE_<NAME> settings; stop it afterwards. Its gRPC server
     takes a free port too, unless `grpc_port` says which."""
+    with service_and_process(wait_ready, **settings) as (url, _):
+        yield url
+
+
+@contextmanager
+def service_and_process(wait_ready: bool = True, **settings) -> Iterator[tuple[str, subprocess.Popen]]:
+    """running_service's URL, and the `python -m service` process (the supervisor, under the process backend)."""
     port = free_port()
     settings = {"grpc_port": free_port(), **settings}
     with tempfile.TemporaryFile() as output:  # a file, not a pipe: a server that logs a lot never blocks on it
@@ -45,7 +52,7 @@ def running_service(wait_ready: bool = True, **settings) -> Iterator[str]:
         url = f"http://127.0.0.1:{port}"
         try:
             wait_for(url, "/health/ready" if wait_ready else "/health/live", proc, output=output)
-            yield url
+            yield url, proc
         finally:
             stop(proc, 10)
 

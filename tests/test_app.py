@@ -70,6 +70,9 @@ class Misbehaving:
     async def loaded(self) -> None:
         pass
 
+    def problem(self) -> None:
+        return None
+
     def status(self) -> dict[str, ModelStatus]:
         ready = self.behaviour != "loading"
         return {e.key: ModelStatus(ready=ready, provider="CPUExecutionProvider" if ready else None)

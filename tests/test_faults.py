@@ -1,8 +1,15 @@
 """Faults against a real server: a graph that does not match its manifest's sha256 and a graph that ONNX Runtime
 cannot load are reported in /models with the reason, and the other models serve; a batch that ONNX Runtime fails
-on fails only its own requests; clients that go away mid-upload or mid-queue leave nothing behind."""
+on fails only its own requests; clients that go away mid-upload or mid-queue leave nothing behind. And on the
+process backend, under load from real clients: its inference process killed (replaced in place, 503s meanwhile,
+never a refused connection), hung (unready, then replaced), killed too often (the service exits 1); an HTTP worker
+killed; and request heads that never come whole (closed after the header timeout) on both backends."""
 import json
+import os
 import shutil
+import signal
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -11,8 +18,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 from prometheus_client.parser import text_string_to_metric_families
-from service_process import (ROOT, direct_probabilities, leave_mid_request, photo_bytes, process_metrics,
-                             running_service)
+from service_process import (ROOT, direct_probabilities, leave_mid_request, metric, photo_bytes, process_metrics,
+                             running_service, service_and_process)
 
 from repository import sha256
 
@@ -128,3 +135,189 @@ def test_clients_that_leave_mid_upload_or_mid_queue_leave_nothing_behind(url):
     assert ok.status_code == 200, ok.text
     assert figures()[1] > now[1]  # the count that held the line is live (a batch may still have been running)
     assert process_metrics(httpx.get(f"{url}/metrics").text)["process_open_fds"] <= before + 2  # nothing left open
+
+
+# -- the process backend's faults, survived in place -----------------------------------------------------------------
+
+WARM_UP_S = 60  # a new inference process loads and warms up shapes-deit well within this, on a loaded 2-core host
+HANG = {"inference_unready_after_s": 2, "inference_kill_after_s": 5}
+
+
+def role_pids(supervisor: int, role: str) -> list[int]:
+    """The supervisor's children of one role (supervisor.ROLES), by their process name."""
+    children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+    return [int(pid) for pid in children if Path(f"/proc/{pid}/comm").read_text().strip() == role]
+
+
+def new_pid(supervisor: int, role: str, old: int, timeout_s: float = WARM_UP_S) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = [pid for pid in role_pids(supervisor, role) if pid != old]
+        if pids:
+            return pids[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no new {role} process within {timeout_s}s")
+
+
+class Load:
+    """Clients posting /classify in a loop, each on its own kept-alive connection, until stopped: every answer's
+    time, status (or the transport error's name) and error code."""
+
+    def __init__(self, url: str, clients: int = 6, timeout_s: float = 60):
+        self.url, self.timeout_s, self.answers, self.running = url, timeout_s, [], True
+        self.threads = [threading.Thread(target=self._client) for _ in range(clients)]
+        for thread in self.threads:
+            thread.start()
+
+    def _client(self) -> None:
+        with httpx.Client(timeout=self.timeout_s) as client:
+            while self.running:
+                start = time.monotonic()
+                try:
+                    r = client.post(f"{self.url}/classify", files={"file": ("a.jpg", JPEG)})
+                    got = (r.status_code, r.json()["error"]["code"] if r.status_code != 200 else None,
+                           r.headers.get("retry-after"))
+                except httpx.TransportError as e:
+                    got = (type(e).__name__, None, None)
+                self.answers.append((start, time.monotonic() - start, *got))
+                if got[0] != 200:
+                    time.sleep(0.05)
+
+    def since(self, moment: float) -> list[tuple]:
+        return [a for a in self.answers if a[0] >= moment]
+
+    def first_200_after(self, moment: float, timeout_s: float) -> float:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(a[2] == 200 for a in self.since(moment)):
+                return min(a[0] + a[1] for a in self.since(moment) if a[2] == 200) - moment
+            time.sleep(0.1)
+        raise AssertionError(f"no 200 within {timeout_s}s: {self.since(moment)[-5:]}")
+
+    def stop(self) -> None:
+        self.running = False
+        for thread in self.threads:
+            thread.join()
+
+
+@pytest.fixture(scope="module")
+def small_repo(tmp_path_factory) -> Path:
+    """shapes-deit alone: an inference process that starts again within seconds."""
+    repo = tmp_path_factory.mktemp("one-model")
+    shutil.copytree(ROOT / "model_repository" / "shapes-deit", repo / "shapes-deit")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def supervised(small_repo):
+    """(URL, supervisor pid) of the process backend with small hang thresholds and a 10 s request timeout."""
+    with service_and_process(backend="process", workers=2, model_repository=small_repo, request_timeout_s=10,
+                             warmup_runs=1, header_timeout_s=2, **HANG) as (url, proc):
+        yield url, proc.pid
+
+
+def test_a_killed_inference_process_is_replaced_in_place_and_requests_get_503_meanwhile(supervised):
+    url, supervisor = supervised
+    (inference,) = role_pids(supervisor, "vitserve-infer")
+    load = Load(url)
+    try:
+        load.first_200_after(time.monotonic(), 30)
+        killed = time.monotonic()
+        os.kill(inference, signal.SIGKILL)
+        readiness = []
+        while not any(a[2] == 200 for a in load.since(killed + 0.5)) and time.monotonic() < killed + WARM_UP_S:
+            readiness.append(httpx.get(f"{url}/health/ready", timeout=10).status_code)
+            time.sleep(0.1)
+        back = load.first_200_after(killed + 0.5, WARM_UP_S)
+    finally:
+        load.stop()
+    during = load.since(killed - 10)
+    assert all(elapsed < 10 + 5 for _, elapsed, *_ in during), max(a[1] for a in during)  # none past the timeout
+    failed = [a for a in load.since(killed) if a[2] != 200]
+    assert failed and all(status == 503 and retry for _, _, status, _, retry in failed), failed  # none refused
+    assert {code for *_, code, _ in failed} <= {"inference_restarting", "model_loading", "not_ready"}
+    assert "inference_restarting" in {code for *_, code, _ in failed}
+    assert 503 in readiness and back < WARM_UP_S
+    assert httpx.get(f"{url}/health/ready", timeout=10).status_code == 200
+    assert new_pid(supervisor, "vitserve-infer", inference) != inference
+    assert metric(httpx.get(f"{url}/metrics").text, "vitserve_inference_restarts_total") == 1
+    assert len(role_pids(supervisor, "vitserve-http")) == 2  # the workers were never restarted
+
+
+def test_a_hung_inference_process_is_unready_then_replaced(supervised):
+    url, supervisor = supervised
+    (inference,) = role_pids(supervisor, "vitserve-infer")
+    os.kill(inference, signal.SIGSTOP)  # as a wedged GPU would look: nothing answers, nothing ends
+    try:
+        stopped = time.monotonic()
+        while (r := httpx.get(f"{url}/health/ready", timeout=10)).status_code == 200:
+            assert time.monotonic() < stopped + HANG["inference_unready_after_s"] + 5, "still ready"
+            time.sleep(0.1)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "inference_unresponsive", r.text
+        assert httpx.get(f"{url}/health/live", timeout=10).status_code == 200  # the HTTP side lives
+        refused = httpx.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)}, timeout=30)
+        assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+        replaced = new_pid(supervisor, "vitserve-infer", inference, HANG["inference_kill_after_s"] + WARM_UP_S)
+        assert not Path(f"/proc/{inference}").exists() or Path(f"/proc/{inference}/stat").read_text().split()[2] == "Z"
+    finally:
+        if Path(f"/proc/{inference}").exists():
+            os.kill(inference, signal.SIGCONT)
+    wait_until_ready(url, WARM_UP_S)
+    ok = httpx.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)}, timeout=30)
+    assert ok.status_code == 200, ok.text
+    assert role_pids(supervisor, "vitserve-infer") == [replaced]
+    assert metric(httpx.get(f"{url}/metrics").text, "vitserve_inference_restarts_total") == 2
+
+
+def test_a_killed_http_worker_leaves_the_others_serving(supervised):
+    url, supervisor = supervised
+    victim = role_pids(supervisor, "vitserve-http")[0]
+    os.kill(victim, signal.SIGKILL)
+    answers = [httpx.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)}, timeout=30) for _ in range(8)]
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.status_code != 200]
+    new_pid(supervisor, "vitserve-http", victim)
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_a_slow_or_silent_request_head_is_closed_after_the_header_timeout(supervised, small_repo, backend):
+    def check(url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as silent, \
+                socket.create_connection((host, int(port)), timeout=30) as trickle:
+            opened, head = time.monotonic(), b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 40
+            served = []
+            for byte in head:  # a byte every 0.1 s: past the 2 s timeout before the head is whole
+                try:
+                    trickle.sendall(bytes([byte]))
+                except OSError:  # closed by the server: what the test waits for
+                    break
+                served.append(httpx.get(f"{url}/health/live", timeout=5).status_code)  # others are served
+                time.sleep(0.1)
+            answer = trickle.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 408") and b"VITSERVE_HEADER_TIMEOUT_S" in answer, answer
+            assert silent.recv(1) == b""  # a connection that never sent a byte is closed too, without an answer
+            assert 1.5 < time.monotonic() - opened < 10 and served and set(served) == {200}
+
+    if backend == "process":
+        check(supervised[0])
+    else:
+        with running_service(backend="thread", model_repository=small_repo, header_timeout_s=2) as url:
+            check(url)
+
+
+def test_too_many_crashes_within_the_window_stop_the_service_with_status_1(small_repo):
+    with service_and_process(backend="process", workers=1, model_repository=small_repo, warmup_runs=0,
+                             inference_max_crashes=2, inference_crash_window_s=300) as (url, proc):
+        (first,) = role_pids(proc.pid, "vitserve-infer")
+        os.kill(first, signal.SIGKILL)  # crash 1: started again
+        second = new_pid(proc.pid, "vitserve-infer", first)
+        wait_until_ready(url, WARM_UP_S)
+        os.kill(second, signal.SIGKILL)  # crash 2 of at most 2: the service stops
+        assert proc.wait(30) == 1
+
+
+def wait_until_ready(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{url}/health/ready", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "not ready again"
+        time.sleep(0.2)

@@ -18,6 +18,7 @@ import numpy as np
 from repository import ModelEntry
 
 from ..cache import AttentionRecord
+from ..errors import ServiceError
 from ..shared_memory import SharedIO
 
 
@@ -57,6 +58,10 @@ class Backend(Protocol):
         """Return once every model is warm or has failed."""
 
     def status(self) -> dict[str, ModelStatus]: ...
+
+    def problem(self) -> ServiceError | None:
+        """Why nothing can be served now, whatever the models' status (the inference process restarting, or hung),
+        as the error requests and readiness answer with; None where it serves."""
 
     def records(self, model: str, kind: str, n: int) -> AbstractContextManager[np.ndarray]:
         """n empty records ("image" or "tensor", records.py) to fill, valid inside the `with`."""

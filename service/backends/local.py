@@ -141,6 +141,10 @@ class LocalBackend(ModelLifecycle):
     def status(self) -> dict[str, ModelStatus]:
         return self._status
 
+    def problem(self) -> None:
+        """Nothing keeps this process from serving while it runs."""
+        return None
+
     def batcher(self, model: str) -> Batcher:
         """The batcher of the graph that serves `model` (NotFound where none does)."""
         plan = self.plans.get(model)

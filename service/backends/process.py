@@ -34,6 +34,7 @@ from ..settings import Settings
 from ..shared_memory import SharedIO
 from . import ModelStatus, wire
 from .arena import BOARD_SLOTS, Arena, map_records
+from .heartbeat import HEARTBEAT, Heartbeat
 
 log = logging.getLogger("vitserve")
 
@@ -93,38 +94,67 @@ class ProcessBackend:
         self._ids = iter(range(1, 2**62))
         self._tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this worker's shared memory
         self.generation = 0  # counts status changes
+        self._board_path = socket_path.parent / f"board-{self._tag}"
         self._board: np.ndarray | None = None  # requests on their way, per model (entries' order): _tell
+        self._heartbeat: Heartbeat | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._connected = False
         self._reader_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        reader = await self._connect()
-        message, _ = await wire.receive(reader)  # hello
-        self.problems = message["problems"]
-        board = self.socket_path.parent / f"board-{self._tag}"
-        self._board = map_records(board, np.dtype(np.int32), BOARD_SLOTS, create=True)
-        self._writer.write(wire.pack({"op": "board", "board": board.name}))
-        self._set_status(message)
-        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader), name="inference-replies")
+        self._board = map_records(self._board_path, np.dtype(np.int32), BOARD_SLOTS, create=True)
+        self._heartbeat = Heartbeat(self.socket_path.parent / HEARTBEAT)
+        reader = await self._join(self.connect_timeout_s)
+        self._reader_task = asyncio.get_running_loop().create_task(self._follow(reader), name="inference-replies")
 
-    async def _connect(self) -> asyncio.StreamReader:
-        """The inference process starts beside the workers: wait for its socket."""
-        deadline = asyncio.get_running_loop().time() + self.connect_timeout_s
+    async def _join(self, timeout_s: float | None) -> asyncio.StreamReader:
+        """Connect to the inference process (waiting for its socket), read its hello and show it this worker's
+        board."""
+        while True:
+            reader = await self._connect(timeout_s)
+            try:
+                message, _ = await wire.receive(reader)  # hello
+                break
+            except (asyncio.IncompleteReadError, ConnectionError):  # a dying process's socket took it: the next
+                self._writer.close()
+                await asyncio.sleep(0.05)
+        self.problems = message["problems"]
+        self._writer.write(wire.pack({"op": "board", "board": self._board_path.name}))
+        self._set_status(message)
+        self._connected = True
+        return reader
+
+    async def _connect(self, timeout_s: float | None) -> asyncio.StreamReader:
+        """The inference process starts beside the workers, or again after it died: wait for its socket (a dead
+        one's socket file refuses connections)."""
+        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         while True:
             try:
                 reader, self._writer = await asyncio.open_unix_connection(self.socket_path)
                 return reader
             except (FileNotFoundError, ConnectionRefusedError):
-                if asyncio.get_running_loop().time() > deadline:
+                if deadline is not None and asyncio.get_running_loop().time() > deadline:
                     raise
                 await asyncio.sleep(0.05)
+
+    async def _follow(self, reader: asyncio.StreamReader) -> None:
+        """The inference process's replies; when it has gone, what waited on it is answered 503 at once and the
+        one the supervisor starts next is joined, without a restart of this worker."""
+        while True:
+            await self._read(reader)
+            self._lost()
+            reader = await self._join(None)
+            log.info("joined the new inference process")
 
     def _set_status(self, message: dict) -> None:
         """The inference process's models (a reloaded one with its new manifest, one loaded since start-up last:
         its outbox counts in the next board slot) and their status."""
         self.entries = [ModelEntry(Path(e["folder"]), e["manifest"]) for e in message["entries"]]
         for i, entry in enumerate(self.entries):
-            self._outboxes.setdefault(entry.key, _Outbox(entry.key, i))
+            outbox = self._outboxes.setdefault(entry.key, _Outbox(entry.key, i))
+            if outbox.index != i:  # a new inference process may list the models in another order
+                outbox.index = i
+                self._tell(outbox)
         self._status = {name: ModelStatus(**s) for name, s in message["status"].items()}
         self.generation += 1
         # acknowledged: what this worker routes from now on follows this status (an unload waits for it)
@@ -133,6 +163,7 @@ class ProcessBackend:
             self._loaded.set()
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
+        """Replies, until the inference process has gone."""
         try:
             while True:
                 message, arrays = await wire.receive(reader)
@@ -153,16 +184,43 @@ class ProcessBackend:
                         future.set_result((message, arrays))
         except (asyncio.IncompleteReadError, ConnectionError):
             log.error("the inference process has gone")
-            gone = self._gone()
-            waiting = [*self._pending.values(), *(q.future for _, queued in self._frames.values() for q in queued),
-                       *(q.future for outbox in self._outboxes.values() for q in outbox.pending)]
-            for future in waiting:
-                if not future.done():
-                    future.set_exception(gone)
-            self._pending.clear()
+
+    def _lost(self) -> None:
+        """The inference process has gone: everything that waited on it fails (503), and the slots of the frames
+        it held are this worker's again (nothing writes into them any more)."""
+        self._connected = False
+        self._writer.close()
+        gone = self._gone()
+        for _, queued in self._frames.values():
+            for q in queued:
+                q.lease.release()
+        waiting = [*self._pending.values(), *(q.future for _, queued in self._frames.values() for q in queued),
+                   *(q.future for outbox in self._outboxes.values() for q in outbox.pending)]
+        for future in waiting:
+            if not future.done():
+                future.set_exception(gone)
+        self._pending.clear()
+        self._frames.clear()
+        for outbox in self._outboxes.values():
+            outbox.pending, outbox.flushing = [], False
+            outbox.queued.clear()
+            self._tell(outbox)
 
     def _gone(self) -> Unavailable:
-        return Unavailable("the inference process has stopped", "inference_unavailable", self.settings.retry_after_s)
+        return Unavailable("the inference process has stopped; the supervisor is starting another",
+                           "inference_restarting", self.settings.retry_after_s)
+
+    def problem(self) -> Unavailable | None:
+        """Why nothing can be served now: the inference process is restarting, or it has made no progress for
+        longer than VITSERVE_INFERENCE_UNREADY_AFTER_S (hung, or a batch that long); None where it serves."""
+        if not self._connected:
+            return self._gone()
+        silence = self._heartbeat.silence()
+        if silence is not None and silence > self.settings.inference_unready_after_s:
+            return Unavailable(f"the inference process has made no progress for {silence:.0f}s; it is replaced after "
+                               f"{self.settings.inference_kill_after_s:g}s (VITSERVE_INFERENCE_KILL_AFTER_S)",
+                               "inference_unresponsive", self.settings.retry_after_s)
+        return None
 
     def _taken(self, key: int) -> None:
         """The frame's requests are all in batches that started: the outbox's next frame may go."""
@@ -187,7 +245,7 @@ class ProcessBackend:
             q.future.set_result(None)
 
     def _check_connected(self) -> None:
-        if self._writer is None or self._reader_task.done():
+        if not self._connected:
             raise self._gone()
 
     async def _ask(self, message: dict, arrays: dict | None = None):
@@ -344,4 +402,4 @@ class ProcessBackend:
             await asyncio.gather(self._reader_task, return_exceptions=True)
         for arena in self._arenas.values():
             arena.close()
-        (self.socket_path.parent / f"board-{self._tag}").unlink(missing_ok=True)
+        self._board_path.unlink(missing_ok=True)

@@ -30,6 +30,7 @@ from ..settings import Settings
 from ..shared_memory import Claim, SharedIO
 from . import wire
 from .arena import BOARD_SLOTS, map_records
+from .heartbeat import HEARTBEAT, PULSE_S, Heartbeat
 from .local import LocalBackend
 
 log = logging.getLogger("vitserve")
@@ -81,6 +82,7 @@ class InferenceServer:
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve the workers until `stop` is set, then finish what they wait for."""
+        pulse = asyncio.create_task(self._pulse(Heartbeat(self.socket_path.parent / HEARTBEAT)), name="pulse")
         await self.backend.start()
         gc.freeze()  # as the HTTP workers do (app.py): start-up's objects out of the collector's way
         gc.set_threshold(50_000)
@@ -90,7 +92,18 @@ class InferenceServer:
         server.close()
         while self._frames or self._tasks:  # what the workers still wait for
             await asyncio.sleep(0.01)
+        pulse.cancel()
         await self.backend.close()
+
+    async def _pulse(self, heartbeat: Heartbeat) -> None:
+        """Beat while the event loop runs, saying whether the batches moved (one finished, or none waits)."""
+        seen = -1
+        while True:
+            batchers = list(self.backend.batchers.values())
+            finished = sum(b.finished for b in batchers)
+            heartbeat.beat(progressed=finished != seen or not any(b.busy for b in batchers))
+            seen = finished
+            await asyncio.sleep(PULSE_S)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         arenas: dict[str, np.ndarray] = {}  # this worker's arenas, mapped on first use

@@ -258,8 +258,10 @@ async def live() -> dict:
 
 @router.get("/health/ready", summary="200 once every model is loaded or failed and one serves, 400 before")
 async def ready(request: Request) -> dict:
+    if (problem := _pipelines(request).backend.problem()) is not None:
+        raise BadInput(problem.message, "not_ready")  # v2: 4xx means false
     if not _pipelines(request).ready:
-        raise BadInput("the server is still loading its models", "not_ready")  # v2: 4xx means false
+        raise BadInput("the server is still loading its models", "not_ready")
     return {"ready": True}
 
 
