@@ -24,15 +24,15 @@ import numpy as np
 from google.protobuf import json_format
 
 from .errors import BadInput, Forbidden, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
-from .metrics import Metrics, collected
+from .metrics import Metrics
 from .open_inference import (check_load_parameters, extensions, find_model, model_config, model_inputs,
                              model_outputs, repository_index, require_model_control, served_metadata,
-                             shared_outputs)
+                             regions_backend, shared_outputs)
 from .pipeline import Pipelines
 from .protocol import open_inference_pb2 as pb
 from .settings import Settings
-from .shared_memory import NO_CUDA_SHARED_MEMORY, requested_slice
-from .statistics import Readings, served_statistics
+from .shared_memory import NO_CUDA_SHARED_MEMORY, no_cuda_region, requested_slice
+from .statistics import current_statistics
 
 log = logging.getLogger("vitserve")
 
@@ -157,26 +157,27 @@ class InferenceService:
 
     @rpc
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context) -> pb.ModelStatisticsResponse:
-        stats = served_statistics(Readings(collected(self.metrics)), self.pipelines, request.name, request.version)
+        stats = current_statistics(self.metrics, self.pipelines, request.name, request.version)
         return pb.ModelStatisticsResponse(model_stats=[json_format.ParseDict(s, pb.ModelStatistics()) for s in stats])
 
     @rpc
     async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest, context
                                          ) -> pb.SystemSharedMemoryRegisterResponse:
-        await self.shared_memory().register_region(request.name, request.key, request.offset, request.byte_size)
+        await regions_backend(self.pipelines).register_region(request.name, request.key, request.offset,
+                                                              request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     @rpc
     async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest, context
                                        ) -> pb.SystemSharedMemoryStatusResponse:
-        regions = await self.shared_memory().region_status(request.name)
+        regions = await regions_backend(self.pipelines).region_status(request.name)
         return pb.SystemSharedMemoryStatusResponse(
             regions={r["name"]: pb.SystemSharedMemoryStatusResponse.RegionStatus(**r) for r in regions})
 
     @rpc
     async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest, context
                                            ) -> pb.SystemSharedMemoryUnregisterResponse:
-        await self.shared_memory().unregister_region(request.name)
+        await regions_backend(self.pipelines).unregister_region(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     # CUDA shared memory is not offered: nothing registers, so there is nothing to list or unregister
@@ -189,20 +190,13 @@ class InferenceService:
     async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest, context
                                      ) -> pb.CudaSharedMemoryStatusResponse:
         if request.name:
-            raise BadInput(f"no CUDA shared-memory region named {request.name!r} is registered")
+            raise no_cuda_region(request.name)
         return pb.CudaSharedMemoryStatusResponse()
 
     @rpc
     async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest, context
                                          ) -> pb.CudaSharedMemoryUnregisterResponse:
         return pb.CudaSharedMemoryUnregisterResponse()
-
-    def shared_memory(self):
-        """The backend, which keeps the regions, where the extension is on."""
-        if not self.pipelines.settings.shared_memory:
-            raise Forbidden("the system shared-memory extension is off on this server (VITSERVE_SHARED_MEMORY=false)",
-                            "shared_memory_off")
-        return self.pipelines.backend
 
     @rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:

@@ -192,6 +192,14 @@ async def repository_index(pipelines: Pipelines, ready_only: bool) -> list[dict]
     return [row for row in rows if row["state"] == "READY" or not ready_only]
 
 
+def regions_backend(pipelines: Pipelines):
+    """The backend, which keeps the shared-memory regions, where the extension is on (Forbidden else)."""
+    if not pipelines.settings.shared_memory:
+        raise Forbidden("the system shared-memory extension is off on this server (VITSERVE_SHARED_MEMORY=false)",
+                        "shared_memory_off")
+    return pipelines.backend
+
+
 def require_model_control(pipelines: Pipelines) -> None:
     """Load and unload answer only with VITSERVE_MODEL_CONTROL=explicit."""
     if pipelines.settings.model_control != "explicit":

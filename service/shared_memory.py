@@ -27,6 +27,10 @@ NO_CUDA_SHARED_MEMORY = ("CUDA shared memory is not offered by this server: send
                          "shared memory (/v2/systemsharedmemory)")
 
 
+def no_cuda_region(name: str) -> BadInput:
+    return BadInput(f"no CUDA shared-memory region named {name!r} is registered")
+
+
 @dataclass(frozen=True)
 class Slice:
     """Some bytes of a registered region: a tensor a request keeps there."""

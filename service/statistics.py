@@ -71,6 +71,11 @@ def model_statistics(readings: Readings, pipeline: Pipeline, graph: str) -> dict
     }
 
 
+def current_statistics(metrics: Metrics, pipelines: Pipelines, name: str, version: str | None) -> list[dict]:
+    """The statistics route's answer (REST and gRPC): served_statistics of the metrics as they are now."""
+    return served_statistics(Readings(collected(metrics)), pipelines, name, version)
+
+
 def served_statistics(readings: Readings, pipelines: Pipelines, name: str | None = None,
                       version: str | None = None) -> list[dict]:
     """The statistics of every model version served (or loading), of a model's versions, or of one version, by

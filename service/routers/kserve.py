@@ -20,12 +20,11 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from ..errors import BadInput, TooLarge
-from ..metrics import collected
 from ..open_inference import (Batch, find_model, model_config, model_inputs, model_outputs,
                               extensions, served_metadata, shared_outputs)
 from ..pipeline import Pipeline, Pipelines
 from ..shared_memory import Slice
-from ..statistics import Readings, served_statistics
+from ..statistics import current_statistics
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -285,8 +284,7 @@ async def statistics(request: Request, name: str) -> dict:
 
 @router.get("/models/{name}/versions/{version_}/stats", **STATS)
 async def statistics_version(request: Request, name: str, version_: str | None) -> dict:
-    readings = Readings(collected(request.app.state.metrics))
-    return {"model_stats": served_statistics(readings, _pipelines(request), name, version_)}
+    return {"model_stats": current_statistics(request.app.state.metrics, _pipelines(request), name, version_)}
 
 
 @router.get("/models/{name}/config", **CONFIG)

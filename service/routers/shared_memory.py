@@ -5,9 +5,9 @@ and its unregister has nothing to do (perf_analyzer unregisters both kinds as it
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, ValidationError
 
-from ..errors import BadInput, Forbidden
-from ..pipeline import Pipelines
-from ..shared_memory import NO_CUDA_SHARED_MEMORY
+from ..errors import BadInput
+from ..open_inference import regions_backend
+from ..shared_memory import NO_CUDA_SHARED_MEMORY, no_cuda_region
 
 router = APIRouter(prefix="/v2/systemsharedmemory", tags=["system shared memory"])
 cuda_router = APIRouter(prefix="/v2/cudasharedmemory", tags=["system shared memory"])
@@ -24,11 +24,7 @@ class RegionStatus(RegionRequest):
 
 
 def _backend(request: Request):
-    pipelines: Pipelines = request.app.state.pipelines
-    if not pipelines.settings.shared_memory:
-        raise Forbidden("the system shared-memory extension is off on this server (VITSERVE_SHARED_MEMORY=false)",
-                        "shared_memory_off")
-    return pipelines.backend
+    return regions_backend(request.app.state.pipelines)
 
 
 # the body is read whatever its Content-Type (tritonclient sends none), and a bad one is a 400, as under all of /v2
@@ -89,4 +85,4 @@ async def cuda_status() -> list:
 
 @cuda_router.get("/region/{name}/status", summary="No region registered: a 400")
 async def cuda_region_status(name: str) -> list:
-    raise BadInput(f"no CUDA shared-memory region named {name!r} is registered")
+    raise no_cuda_region(name)
