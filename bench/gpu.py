@@ -331,21 +331,53 @@ def repository_of(folders: list[Path]) -> Iterator[Path]:
         yield Path(repo)
 
 
-def decoding(cuda: bool, policy: InputPolicy, copies: int = 1024) -> None:
+@cache
+def phone_photo() -> bytes:
+    """What a phone sends: 4032 x 3024, 4:2:0, quality 92, about 2.3 MB (scikit-image's astronaut enlarged, with
+    a sensor's grain, which is what makes a real photo's entropy decoding cost what it does)."""
+    pixels = np.asarray(Image.fromarray(photos.astronaut()).resize((4032, 3024), Image.BICUBIC), np.int16)
+    grain = np.random.default_rng(0).normal(0, 3, (*pixels.shape[:2], 1)).astype(np.int16)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(pixels + grain, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=92)
+    return buf.getvalue()
+
+
+# sizes as uploads come: thumbnails to phone photos
+MIXED = [(451, 300), (640, 480), (1024, 768), (1280, 960), (1920, 1080), (3000, 2000)]
+
+
+def decoding(cuda: bool, policy: InputPolicy, copies: int = 512) -> None:
+    """Images/s into the model's input: the CPU path on every core against GpuDecoder (the JPEG engines first), in
+    batches from one and two threads (the inference threads), for the 451 x 300 photo, the 12 MP one and a mix of
+    sizes; and whether the JPEG engines alone decode with and without fancy upsampling (nvImageCodec's option, which
+    applies to every decoder: one they refuse goes to the CUDA kernels)."""
     threads = os.cpu_count() or 1
-    print(f"\ndecode: images/s into the {policy.size[0]} px input, {copies} copies")
-    for size in ((451, 300), (1920, 1080)):
-        data = jpeg(size)
+    print(f"\ndecode: images/s into the {policy.size[0]} px input, {copies} images; GPU: batch/threads")
+    sets = {"451x300 JPEG": [jpeg((451, 300))], "12 MP phone JPEG": [phone_photo()],
+            "mixed sizes (" + ", ".join(f"{w}x{h}" for w, h in MIXED) + ")": [jpeg(size) for size in MIXED]}
+    for label, datas in sets.items():
+        batch = [datas[i % len(datas)] for i in range(copies)]
         with ThreadPoolExecutor(threads) as pool:
             start = time.perf_counter()
-            list(pool.map(partial(cpu_input, policy=policy), [data] * copies))
+            list(pool.map(partial(cpu_input, policy=policy), batch))
             cpu = copies / (time.perf_counter() - start)
-        line = f"{size[0]}x{size[1]} JPEG: the CPU path (upload_input) on {threads} threads {cpu:,.0f}"
+        line = f"{label}: the CPU path (upload_input) on {threads} threads {cpu:,.0f}"
         if cuda and (decoder := gpu_decoder(policy)):
-            line += "; GpuDecoder (nvImageCodec + batched resize), batch/threads " + ", ".join(
-                f"{batch}/{n} {gpu_decode_rate(decoder, data, copies, batch, n):,.0f}"
-                for batch in (1, 16, 64) for n in (1, 2))
+            line += "; GpuDecoder " + ", ".join(f"{size}/{n} {gpu_decode_rate(decoder, datas, copies, size, n):,.0f}"
+                                                for size, n in ((1, 1), (16, 2), (64, 2)))
         print(line, flush=True)
+    if cuda:
+        print(engines_alone(jpeg((451, 300))), flush=True)
+
+
+def engines_alone(data: bytes, n: int = 16) -> str:
+    from nvidia import nvimgcodec
+    counts = []
+    for options in (":fancy_upsampling=1", ""):
+        decoder = nvimgcodec.Decoder(backends=[nvimgcodec.Backend(nvimgcodec.HW_GPU_ONLY)], options=options)
+        counts.append(sum(image is not None for image in decoder.decode([data] * n)))
+    return (f"the JPEG engines alone (HW_GPU_ONLY) decoded {counts[0]} of {n} baseline JPEGs with fancy upsampling, "
+            f"{counts[1]} without")
 
 
 def cpu_input(data: bytes, policy: InputPolicy) -> np.ndarray:
@@ -356,20 +388,21 @@ def cpu_input(data: bytes, policy: InputPolicy) -> np.ndarray:
 def gpu_decoder(policy: InputPolicy):
     try:
         from service.gpu_decode import GpuDecoder
-        return GpuDecoder(policy)
+        return GpuDecoder(policy, max_batch=64)
     except (ImportError, RuntimeError) as e:
         skipped.append(f"nvImageCodec decoding: {e}")
         return None
 
 
-def gpu_decode_rate(decoder, data: bytes, copies: int, batch: int, threads: int) -> float:
-    """Images/s of `decoder` on batches of `batch` copies of the JPEG, from `threads` threads at once (the
+def gpu_decode_rate(decoder, datas: list[bytes], copies: int, batch: int, threads: int) -> float:
+    """Images/s of `decoder` on batches of `batch` of the JPEGs (in turn), from `threads` threads at once (the
     service's inference threads: 2 on a GPU), after one warm-up batch in each."""
     fallback = partial(cpu_input, policy=decoder.policy)
+    jpegs = [datas[i % len(datas)] for i in range(batch)]
 
     def run(rounds: int) -> None:
         for _ in range(rounds):
-            decoder.decode([data] * batch, fallback)
+            decoder.decode(jpegs, fallback)
 
     rounds = max(1, copies // batch // threads)
     with ThreadPoolExecutor(threads) as pool:

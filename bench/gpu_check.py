@@ -29,13 +29,13 @@ not run, test_gpu.py skipped), and the file says so. The commit is git's, or GPU
 has no git repository (a copy on the GPU host).
 """
 import argparse
-import itertools
 import os
 import platform
 import re
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +43,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import cache
 from pathlib import Path
@@ -50,10 +51,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 for folder in (ROOT, ROOT / "tests", ROOT / "bench"):
     sys.path.insert(0, str(folder))
+import census  # noqa: E402
 import httpx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import wrk  # noqa: E402
-from process_cost import INFERENCE, WORKERS, cpu_by_role, supervisor_pid  # noqa: E402
+from process_cost import INFERENCE, WORKERS, supervisor_pid  # noqa: E402
 from service_overhead import decode_cpu_ms  # noqa: E402
 from service_process import model_pixels, photo_bytes, running_service  # noqa: E402
 from weightless import refill_all, strip_all  # noqa: E402
@@ -65,7 +67,7 @@ MODEL = "deit_tiny_patch16_224"
 # the graphs part on CUDA: the models of issue 40's targets (on the CPU, MODEL alone: batch 256 of ViT-B/16 takes
 # a minute there)
 GRAPH_MODELS = [MODEL, "vit_base_patch16_224", "swin_tiny_patch4_window7_224"]
-PARTS = ["service", "profile", "graphs", "decode", "tests"]
+PARTS = ["service", "decode", "tests", "graphs", "profile"]
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -179,62 +181,138 @@ class Usage:
 
 def served(cache: Path, cuda: bool) -> tuple[list[Path], dict[str, wrk.Request]]:
     """The model's repository folders (its fp16 sibling on CUDA) and the requests the levels post."""
-    from gpu import export
+    from gpu import export, phone_photo
     folders = [export(cache, MODEL)] + ([export(cache, MODEL, "fp16")] if cuda else [])
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
     pixels = model_pixels(folders[0], jpeg)
     images = read_entry(folders[0]).manifest["input"]["name"]
-    requests = {f"/classify {n} JPEG": wrk.classify_request(jpeg, n, query=f"model={MODEL}&top_k=1") for n in (1, 8)}
+    query = f"model={MODEL}&top_k=1"
+    requests = {f"/classify {n} JPEG": wrk.classify_request(jpeg, n, query=query) for n in (1, 8)}
     requests |= {f"/v2 UINT8 {n} img": wrk.v2_request(MODEL, images, pixels[None].repeat(n, 0)) for n in (1, 8)}
+    requests["/classify 12 MP"] = wrk.classify_request(phone_photo(), 1, query=query)
     return folders, requests
 
 
-def service(report: Report, cache: Path, cuda: bool, clients: list[int], seconds: int, max_batches: list[int],
-            gpu_decoding: list[bool], decode_threads: list[int]) -> None:
-    from gpu import repository_of
+# the A/B's switches, each against the default (issue 47): settings a service starts with
+# (the default's decode threads: one per core, at most 8)
+SWITCHES = {"default": {}, "CUDA blocking sync": {"cuda_blocking_sync": True}, "8 HTTP workers": {"workers": 8},
+            "1 decode thread": {"decode_threads": 1}, "2 decode threads": {"decode_threads": 2},
+            "GPU decoding": {"gpu_decode": True},
+            "max batch 64": {"max_batch_size": 64}}
+CENSUS_LEVELS = ["/classify 1 JPEG", "/classify 8 JPEG", "/v2 UINT8 1 img"]  # with a census each, at the default
+
+
+def schedule(switches: list[str]) -> list[str]:
+    """The A/B's order: the default first, again after every three switches, and last, so that drift shows."""
+    order = ["default"]
+    for i, switch in enumerate(switches):
+        order.append(switch)
+        if i % 3 == 2 or i == len(switches) - 1:
+            order.append("default")
+    return order
+
+
+@dataclass
+class Level:
+    figures: wrk.Figures
+    gpu: str
+    cores: float  # busy host cores
+    per_image: dict[str, float]  # CPU ms per image by role, and "all" (the busy host cores')
+    census: list[str]
+
+
+def level(url: str, supervisor: int, request: wrk.Request, clients: int, seconds: int) -> Level:
+    """wrk for 1 + `seconds` + 1 s; the window is the middle `seconds`: the host's and each thread's CPU, the GPU's
+    utilisation, and wrk's images/s over its run."""
+    run = threading.Thread(target=lambda: result.append(wrk.run(url, request, clients, seconds + 2, wrk_threads())))
+    result: list[wrk.Figures] = []
+    run.start()
+    time.sleep(1)
+    pids = [supervisor, os.getpid()]  # wrk is this process's child
+    before = census.snapshot(pids)
+    with Usage() as usage:
+        time.sleep(seconds)
+        after = census.snapshot(pids)
+    run.join()
+    if not result:
+        raise RuntimeError("wrk failed (its error is above)")
+    f = result[0]
+    images = max(f.images_per_s * (after.at - before.at), 1)
+    work = census.spent(before, after)
+    per_image = {role: sum(t.user + t.system for t in work.values() if t.role == role) / census.TICKS / images * 1e3
+                 for role in (WORKERS, INFERENCE, "wrk")}
+    per_image["all"] = usage.cores * (after.at - before.at) / images * 1e3
+    return Level(f, usage.gpu, usage.cores, per_image, census.report(before, after, images))
+
+
+HEADER = (f"{'route':<18} {'conns':>5} {'img/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors (non-2xx)':>16} {'GPU %':>7} "
+          f"{'cores':>5} {'HTTP ms':>7} {'infer ms':>8} {'wrk ms':>6} {'host ms':>7}")
+
+
+def row(label: str, clients: int, m: Level) -> str:
+    f = m.figures
+    latency = f"{f.p50_ms:>8.1f} {f.p99_ms:>8.1f}" if f.images_per_s else f"{'-':>8} {'-':>8}"
+    ms = m.per_image
+    return (f"{label:<18} {clients:>5} {f.images_per_s:>9,.0f} {latency} {f'{f.errors} ({f.non_2xx})':>16} "
+            f"{m.gpu:>7} {m.cores:>5.1f} {ms[WORKERS]:>7.3f} {ms[INFERENCE]:>8.3f} {ms['wrk']:>6.3f} {ms['all']:>7.3f}")
+
+
+def service(report: Report, cache: Path, cuda: bool, clients: int, seconds: int, switches: list[str]) -> None:
+    """At the default settings, a census of each of CENSUS_LEVELS and the 12 MP photo; then the A/B: /classify with
+    1 JPEG at each switch against the default, interleaved (schedule), and the 12 MP photo at the default and with
+    GPU decoding."""
+    from gpu import phone_photo, repository_of
     folders, requests = served(cache, cuda)
-    threads = wrk_threads()
     settings = {"queue_limit": 4096, "access_log": False}
-    # the host's speed on its own, to set the workers' CPU per image against (bench/process_cost.py prints it too)
     one_thread = decode_cpu_ms(photo_bytes("chelsea", "JPEG", quality=90), read_entry(folders[0]).policy)
-    report(f"{MODEL} ({'fp16 sibling on CUDA' if cuda else 'fp32 on the CPU'}), settings {settings}; wrk "
-           f"threads {threads}, 1 s warm-up + {seconds} s per level; GPU % = NVML utilisation mean/max, "
-           f"cores = busy host cores of {os.cpu_count()} (wrk's included); CPU ms per image of the HTTP workers "
-           f"together and of the inference process (process backend); decoding and resizing the JPEG costs one "
-           f"thread {one_thread:.2f} ms on this host while idle")
+    phone = decode_cpu_ms(phone_photo(), read_entry(folders[0]).policy)
+    report(f"{MODEL} ({'fp16 sibling on CUDA' if cuda else 'fp32 on the CPU'}), settings {settings}; wrk threads "
+           f"{wrk_threads()}, {seconds} s measured within 1 + {seconds} + 1 s per level; GPU % = NVML utilisation "
+           f"mean/max, cores = busy host cores of {os.cpu_count()} (wrk's included); CPU ms per image of the HTTP "
+           f"workers together, the inference process, wrk, and the host's busy cores (everything); decoding and "
+           f"resizing the 451 x 300 JPEG costs one idle thread of this host {one_thread:.2f} ms, the 12 MP one "
+           f"{phone:.1f} ms")
     if not cuda:
-        report("GPU decoding on: not run (the CUDA provider does not start here)")
+        switches = [s for s in switches if s not in ("GPU decoding", "CUDA blocking sync")]
+        report("GPU decoding and CUDA blocking sync: not run (the CUDA provider does not start here)")
+    ab: dict[str, list[Level]] = {}
     failed = 0
     with repository_of(folders) as repo:
-        for max_batch, gpu_decode, decoders in itertools.product(max_batches, gpu_decoding if cuda else [False],
-                                                                 decode_threads):
-            with running_service(model_repository=repo, gpu_decode=gpu_decode, decode_threads=decoders,
-                                 max_batch_size=max_batch, **settings) as url:
+        for i, switch in enumerate(schedule(switches)):
+            first = i == 0
+            with running_service(model_repository=repo, **settings | SWITCHES[switch]) as url:
                 supervisor = supervisor_pid(int(url.rsplit(":", 1)[1]))
                 models = httpx.get(f"{url}/models", timeout=10).json()["models"]
-                report(f"\nmax batch {max_batch}, GPU decoding {'on' if gpu_decode else 'off'}, decode threads per "
-                       f"worker {decoders or 'default'}; /models: " + "; ".join(
-                           f"{m['name']}: {m['precision']} on {m['provider']}, decode {m['decode']}"
-                           + (f" ({m['decode_reason']})" if m.get("decode_reason") else "") for m in models))
-                report(f"{'route':<18} {'conns':>5} {'img/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors (non-2xx)':>16} "
-                       f"{'GPU %':>7} {'cores':>5} {'HTTP ms':>7} {'infer ms':>8}")
-                for label, request in requests.items():
-                    for c in clients:
-                        try:
-                            wrk.run(url, request, c, 1, threads)
-                            before = cpu_by_role(supervisor)
-                            with Usage() as usage:
-                                f = wrk.run(url, request, c, seconds, threads)
-                            after, images = cpu_by_role(supervisor), max(f.images_per_s * seconds, 1)
-                            per_image = [f"{(after[role] - before[role]) / images * 1e3:.3f}" if after[role] else "-"
-                                         for role in (WORKERS, INFERENCE)]  # none: the thread backend (a CPU host)
-                            latency = f"{f.p50_ms:>8.1f} {f.p99_ms:>8.1f}" if f.images_per_s else f"{'-':>8} {'-':>8}"
-                            report(f"{label:<18} {c:>5} {f.images_per_s:>9,.0f} {latency} "
-                                   f"{f'{f.errors} ({f.non_2xx})':>16} {usage.gpu:>7} {usage.cores:>5.1f} "
-                                   f"{per_image[0]:>7} {per_image[1]:>8}")
-                        except Exception as e:  # noqa: BLE001 - the level's failure, recorded; the next level runs
-                            failed += 1
-                            report(f"{label:<18} {c:>5} FAILED: {type(e).__name__}: {' '.join(str(e).split())}")
+                threads = len(census.snapshot([supervisor]).threads)
+                report(f"\n{switch} {SWITCHES[switch] or ''}: {threads} threads at rest; /models: " + "; ".join(
+                    f"{m['name']}: {m['precision']} on {m['provider']}, decode {m['decode']}"
+                    + (f" ({m['decode_reason']})" if m.get("decode_reason") else "") for m in models))
+                report(HEADER)
+                labels = ([*CENSUS_LEVELS, "/classify 12 MP"] if first else ["/classify 1 JPEG"]
+                          + (["/classify 12 MP"] if switch in ("default", "GPU decoding") else []))
+                for label in labels:
+                    conns = min(clients, 64) if label == "/classify 12 MP" else clients
+                    try:
+                        m = level(url, supervisor, requests[label], conns, seconds)
+                    except Exception as e:  # noqa: BLE001 - the level's failure, recorded; the next level runs
+                        failed += 1
+                        report(f"{label:<18} {conns:>5} FAILED: {type(e).__name__}: {' '.join(str(e).split())}")
+                        continue
+                    report(row(label, conns, m))
+                    if first:
+                        report("\n".join(m.census) + "\n")
+                    if label == "/classify 1 JPEG":
+                        ab.setdefault(switch, []).append(m)
+    if ab.get("default"):
+        base = statistics.median(m.figures.images_per_s for m in ab["default"])
+        report(f"\nA/B, /classify 1 JPEG at {clients} connections: img/s against the median of the default's "
+               f"{len(ab['default'])} runs ({base:,.0f}: " + ", ".join(f"{m.figures.images_per_s:,.0f}"
+                                                                       for m in ab["default"]) + ")")
+        for switch, runs in ab.items():
+            m = runs[-1] if switch != "default" else min(runs, key=lambda r: abs(r.figures.images_per_s - base))
+            report(f"  {switch:<20} {m.figures.images_per_s:>9,.0f} img/s  {m.figures.images_per_s / base:>5.2f}x  "
+                   f"p99 {m.figures.p99_ms:>6.1f} ms  host {m.per_image['all']:.3f} ms/img  HTTP "
+                   f"{m.per_image[WORKERS]:.3f}  infer {m.per_image[INFERENCE]:.3f}")
     if failed:
         raise PartFailed(f"{failed} level(s) failed")
 
@@ -348,18 +426,15 @@ def main() -> None:
                    help="export the graphs the check needs into DIR (on a host whose torch can) and stop")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which parts, always in this order")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 s levels at 64 connections, 1 graph round")
-    p.add_argument("--clients", nargs="+", type=int, help="wrk connections per level (default: 64 256)")
+    p.add_argument("--clients", type=int, help="wrk connections per level (default: 256; 64 with --quick)")
     p.add_argument("--seconds", type=int, help="per service level, after 1 s of warm-up (default: 5)")
-    p.add_argument("--max-batch-size", nargs="+", type=int, default=[16],
-                   help="the service's (VITSERVE_MAX_BATCH_SIZE): the service part at each, the profile at the first")
-    p.add_argument("--gpu-decode", choices=["both", "on", "off"], default="both",
-                   help="the service part with GPU decoding on, off or both, on CUDA (VITSERVE_GPU_DECODE)")
-    p.add_argument("--decode-threads", nargs="+", type=int, default=[0],
-                   help="the service part at each of these VITSERVE_DECODE_THREADS (0: the service's default)")
+    p.add_argument("--switches", nargs="*", choices=[k for k in SWITCHES if k != "default"],
+                   default=[k for k in SWITCHES if k != "default"], help="the A/B's, each against the default")
+    p.add_argument("--max-batch-size", type=int, default=16, help="the profile's (VITSERVE_MAX_BATCH_SIZE)")
     args = p.parse_args()
     if args.export_cache:
         return export_cache(args.export_cache)
-    clients = args.clients or ([64] if args.quick else [64, 256])
+    clients = args.clients or (64 if args.quick else 256)
     seconds = args.seconds or (1 if args.quick else 5)
     rounds = ["--rounds", "1", "--seconds", "1"] if args.quick else ["--rounds", "2", "--seconds", "2"]
     started, now, source = time.monotonic(), datetime.now(timezone.utc), commit()
@@ -378,10 +453,8 @@ def main() -> None:
         report(f"{len(refilled)} graphs staged without their weights given new ones (bench/weightless.py) in "
                f"{time.monotonic() - start:.0f} s")
     parts: dict[str, Callable[[], None]] = {
-        "service": lambda: service(report, args.cache, cuda, clients, seconds, args.max_batch_size,
-                                   {"both": [True, False], "on": [True], "off": [False]}[args.gpu_decode],
-                                   args.decode_threads),
-        "profile": lambda: profile(report, args.cache, cuda, clients[-1], seconds, args.max_batch_size[0]),
+        "service": lambda: service(report, args.cache, cuda, clients, seconds, args.switches),
+        "profile": lambda: profile(report, args.cache, cuda, clients, seconds, args.max_batch_size),
         "graphs": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "graphs", "--models",
                                           *(GRAPH_MODELS if cuda else [MODEL]), "--batches", "256", "--cache",
                                           str(args.cache), *rounds], 300),

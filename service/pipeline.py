@@ -32,6 +32,7 @@ from .records import TIMINGS, output_names, record_dtype, results
 from .runtime import CPU
 from .settings import Settings
 from .shared_memory import SharedIO, SharedTensor, Slice
+from .thread_names import name_pool_thread
 
 log = logging.getLogger("vitserve")
 
@@ -258,7 +259,7 @@ class Pipelines:
     def __init__(self, backend: Backend, settings: Settings, metrics: Metrics):
         self.backend, self.settings, self.metrics = backend, settings, metrics
         threads = settings.decode_threads or min(8, os.cpu_count() or 1)
-        self.decode_pool = ThreadPoolExecutor(threads, thread_name_prefix="decode")
+        self.decode_pool = ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=name_pool_thread)
         self.pipelines: dict[str, Pipeline] = {}  # by key
         self._latest: dict[str, Pipeline] = {}  # by name: the version it reaches
         self._generation = -1  # the backend's status generation they were made for

@@ -12,6 +12,7 @@ kernel: at batch 1 the fp16 graphs of DeiT-Ti/S, ViT-B and Swin-T ran 1.7-4.4x f
 (bench/gpu.py, the session alone). A batch's images are gathered into page-locked host memory on CUDA
 (`Runner.host_batch`), which the copy to the GPU reads at the bus's speed.
 """
+import ctypes
 import importlib.util
 import logging
 import os
@@ -26,6 +27,8 @@ import numpy as np
 import onnxruntime as ort
 
 from repository import ModelEntry
+
+from .thread_names import name_pool_thread, named
 
 log = logging.getLogger("vitserve")
 
@@ -58,9 +61,29 @@ def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: 
     # a provider that cannot start is expected here, not an error: ORT reports that on its default logger
     ort.set_default_logger_severity(4)
     try:
-        return ort.InferenceSession(str(path), options, providers=configured)
+        with named("ort"):  # the session's thread pools
+            return ort.InferenceSession(str(path), options, providers=configured)
     finally:
         ort.set_default_logger_severity(2)
+
+
+def cuda_blocking_sync(device_id: int = 0) -> str | None:
+    """Have the CUDA device's primary context (ONNX Runtime's and CuPy's) block a thread that waits on the GPU,
+    where CUDA's default lets it spin a core while fewer contexts than cores exist; call before any session opens
+    on CUDA. None when done, else why not (no libcuda: a host without an NVIDIA driver)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return f"no CUDA driver: {e}"
+    device, blocking_sync = ctypes.c_int(), 0x04  # CU_CTX_SCHED_BLOCKING_SYNC
+    # _v2 also applies to a context already active (CUDA >= 11); the plain name is the older driver's
+    set_flags = getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or cuda.cuDevicePrimaryCtxSetFlags
+    for name, call, args in (("cuInit", cuda.cuInit, (0,)), ("cuDeviceGet", cuda.cuDeviceGet,
+                                                               (ctypes.byref(device), device_id)),
+                             ("cuDevicePrimaryCtxSetFlags", set_flags, (device, blocking_sync))):
+        if status := call(*args):
+            return f"{name} failed: CUresult {status}"
+    return None
 
 
 def graph_input(session: ort.InferenceSession, name: str) -> ort.NodeArg:
@@ -159,7 +182,7 @@ class CudaGraph:
     def __init__(self, path: Path, session: ort.InferenceSession, inputs: tuple[str, str], batch: int,
                  tf32: bool):
         self.batch = batch
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"cuda-graph-{batch}")
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"cuda-graph-{batch}", initializer=name_pool_thread)
         self.thread.submit(self._capture, path, session, inputs, tf32).result()
 
     def _capture(self, path: Path, session: ort.InferenceSession, inputs: tuple[str, str], tf32: bool) -> None:

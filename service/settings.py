@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     cuda_graph_max_batch: int = Field(0, ge=0, le=64, description="on CUDA, batches of up to this many images "
                                       "replay as CUDA graphs, one per power of two, each with its own copy of "
                                       "the weights on the GPU (batch 1: 1.7-4.4x the plain session on an H100); 0: off")
+    cuda_blocking_sync: bool = Field(False, description="on CUDA, a thread waiting for the GPU sleeps until it is "
+                                     "woken (CU_CTX_SCHED_BLOCKING_SYNC) instead of spinning a core, which CUDA "
+                                     "does by default while it has fewer contexts than the host has cores")
     iobinding: bool = Field(False, description="on the CPU too, run every batch through ONNX Runtime's IOBinding "
                                               "with reused batch buffers, as CUDA always does: a host without a "
                                               "GPU (CI) then exercises the device path")

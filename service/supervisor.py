@@ -12,7 +12,6 @@ with exit status 1: a fault that keeps coming back is for the orchestrator (or a
 drains: the workers stop accepting and finish every request they accepted, then the inference process, which by
 then has nothing queued, stops.
 """
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -36,19 +35,12 @@ from .backends.process import ProcessBackend
 from .http_server import server_options
 from .metrics import Metrics
 from .settings import Settings
+from .thread_names import name_thread
 
 log = logging.getLogger("vitserve")
 
 
 ROLES = ("vitserve-infer", "vitserve-http")  # what `ps`, `top` and /proc/PID/comm call the two kinds of process
-
-
-def name_process(name: str) -> None:
-    """The process's name as `ps` and /proc/PID/comm show it (Linux; elsewhere it keeps its own)."""
-    try:
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
 
 
 def runtime_folder() -> Path:
@@ -81,13 +73,13 @@ def listeners(host: str, port: int, workers: int) -> list[socket.socket]:
 
 def inference_main(settings: Settings, socket_path: Path, log_level: str) -> None:
     """The inference process (multiprocessing, spawn)."""
-    name_process(ROLES[0])
+    name_thread(ROLES[0])
     server.main(settings, socket_path, log_level)
 
 
 def worker_main(settings: Settings, sock: socket.socket, socket_path: Path, log_level: str) -> None:
     """One HTTP worker (multiprocessing, spawn): the whole app over a ProcessBackend."""
-    name_process(ROLES[1])
+    name_thread(ROLES[1])
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s worker %(process)d: %(message)s")
     app = create_app(settings, ProcessBackend(settings, socket_path), grpc_shared_port=True)
     config = uvicorn.Config(app, **server_options(settings, log_level))

@@ -136,6 +136,25 @@ def photo_bytes(name: str, fmt: str, **options) -> bytes:
     return buf.getvalue()
 
 
+def awkward_jpegs() -> dict[str, bytes]:
+    """JPEGs of the kinds a decoder trips on, from real photos: baseline, progressive, grayscale, CMYK, EXIF-rotated
+    (stored turned; the viewer turns it back) and truncated (cut in its entropy-coded data)."""
+    chelsea, coffee = Image.fromarray(photos.chelsea()), Image.fromarray(photos.coffee())
+
+    def jpeg(image: Image.Image, **options) -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, format="JPEG", quality=90, **options)
+        return buf.getvalue()
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # turn 90 degrees clockwise to view
+    baseline = jpeg(coffee)
+    return {"baseline": baseline, "progressive": jpeg(chelsea, progressive=True),
+            "grayscale": jpeg(Image.fromarray(photos.camera())), "CMYK": jpeg(coffee.convert("CMYK")),
+            "EXIF-rotated": jpeg(chelsea.transpose(Image.Transpose.ROTATE_90), exif=exif),
+            "truncated": baseline[:len(baseline) // 2]}
+
+
 def model_pixels(model_dir: Path, image: bytes) -> np.ndarray:
     """The model's uint8 [H, W, 3] input for an image, through the service's decoding and preprocessing."""
     policy = InputPolicy.from_manifest(json.loads((model_dir / "manifest.json").read_text())["input"])

@@ -1,5 +1,6 @@
 """The Runner's device path (IOBinding, outputs bound and copied back, reused batch buffers) on the CPU provider:
 what serves every batch on CUDA, exercised on hosts without a GPU (CI) through the `iobinding` switch."""
+import asyncio
 import json
 import logging
 import sys
@@ -12,7 +13,10 @@ import tritonclient.http as triton
 from service_process import ROOT, direct_probabilities, model_pixels, photo_bytes, running_service
 
 from service import runtime
+from service.backends.local import LocalBackend
+from service.metrics import Metrics
 from service.runtime import CPU, Runner
+from service.settings import Settings
 
 REPO = ROOT / "model_repository"
 GRAPHS = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("*/*.onnx") if p.parent.name != "mtcnn")
@@ -107,3 +111,41 @@ def test_the_service_serves_classify_v2_and_attention_maps_through_the_device_pa
         logits = client.infer("shapes-vit", [images]).as_numpy("logits")
         probs = np.exp(logits[0] - logits[0].max())
         np.testing.assert_allclose(probs / probs.sum(), direct_probabilities(REPO / "shapes-vit", JPEG), atol=1e-5)
+
+
+def test_cuda_blocking_sync_sets_the_primary_contexts_flag_before_any_session_and_says_why_it_cannot(monkeypatch):
+    """CU_CTX_SCHED_BLOCKING_SYNC on device 0's primary context, through the driver API in its order (cuInit
+    first); on a host without libcuda, the reason, not an exception."""
+    calls = []
+
+    class Driver:
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append((name, [getattr(a, "value", None) if not isinstance(a, int) else a for a in args]))
+                return 0
+            return call
+
+    monkeypatch.setattr(runtime.ctypes, "CDLL", lambda name: Driver() if name == "libcuda.so.1" else None)
+    assert runtime.cuda_blocking_sync() is None
+    assert [name for name, _ in calls] == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxSetFlags_v2"]
+    assert calls[0][1] == [0] and calls[1][1][1] == 0 and calls[2][1] == [0, 0x04]
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(runtime.ctypes, "CDLL", missing)
+    assert "no CUDA driver" in runtime.cuda_blocking_sync()
+
+
+def test_with_cuda_blocking_sync_on_a_host_without_cuda_the_models_serve_and_the_log_says_why(caplog):
+    async def main() -> dict:
+        backend = LocalBackend(Settings(model_repository=REPO, cuda_blocking_sync=True, warmup_runs=0), Metrics())
+        await backend.start()
+        await backend.loaded()
+        await backend.close()
+        return backend.status()
+
+    with caplog.at_level(logging.WARNING, "vitserve"):
+        status = asyncio.run(main())
+    assert all(s.ready for s in status.values())
+    assert "VITSERVE_CUDA_BLOCKING_SYNC is not applied: no CUDA driver" in caplog.text

@@ -153,6 +153,25 @@ def test_jpegs_decoded_on_the_gpu_answer_as_pillow_decoded_ones():
     assert np.abs(gpu - cpu).max() < 0.5
 
 
+def test_awkward_jpegs_on_the_gpu_come_out_as_the_cpu_path_makes_them_and_a_cut_one_is_refused():
+    """Progressive, grayscale, CMYK and EXIF-rotated JPEGs beside a truncated one, in one batch on the device."""
+    pytest.importorskip("cupy", reason="GPU decoding needs CuPy (the `gpu` extra)")
+    pytest.importorskip("nvidia.nvimgcodec", reason="GPU decoding needs nvImageCodec (the `gpu` extra)")
+    from repository import read_entry
+    from service.decode import upload_input
+    from service.gpu_decode import GpuDecoder
+    from service_process import awkward_jpegs, model_pixels
+
+    policy = read_entry(REPO / "shapes-vit").policy
+    jpegs = awkward_jpegs()
+    decoded, errors = GpuDecoder(policy).decode(list(jpegs.values()), lambda data: upload_input(data, policy, 10**8))
+    assert list(errors) == [5] and "truncated" in str(errors[5])
+    for i, (name, data) in enumerate(jpegs.items()):
+        if name != "truncated":  # a quarter turn wrong is over 30 levels apart
+            difference = np.abs(decoded[i].get().astype(int) - model_pixels(REPO / "shapes-vit", data)).mean()
+            assert difference < 10, (name, difference)
+
+
 def test_the_service_decodes_jpegs_on_the_gpu_where_it_can():
     pytest.importorskip("cupy", reason="GPU decoding needs CuPy (the `gpu` extra)")
     pytest.importorskip("nvidia.nvimgcodec", reason="GPU decoding needs nvImageCodec (the `gpu` extra)")
@@ -160,5 +179,7 @@ def test_the_service_decodes_jpegs_on_the_gpu_where_it_can():
         models = {m["name"]: m for m in httpx.get(f"{url}/models").json()["models"]}
         assert models["shapes-vit"]["decode"] == "gpu" and models["shapes-vit-int8"]["decode"] == "cpu"
         files = [("files", (f"{i}.jpg", photo_bytes("chelsea", "JPEG"))) for i in range(8)]
+        files.append(("files", ("8.png", photo_bytes("chelsea", "PNG"))))  # decoded on the CPU, in the same batch
         r = httpx.post(f"{url}/classify", files=files, params={"model": "shapes-vit"})
-        assert r.status_code == 200 and len({json.dumps(x["predictions"]) for x in r.json()["results"]}) == 1
+        assert r.status_code == 200 and len(r.json()["results"]) == 9
+        assert len({json.dumps(x["predictions"][0]["label"]) for x in r.json()["results"]}) == 1

@@ -18,10 +18,10 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from service_process import ROOT, model_pixels, photo_bytes, run_graph
+from service_process import ROOT, awkward_jpegs, model_pixels, photo_bytes, run_graph
 from skimage import data as photos
 
-from repository import InputPolicy
+from repository import InputPolicy, read_entry
 from service import gpu_decode
 from service.app import create_app
 from service.backends.local import LocalBackend
@@ -86,6 +86,76 @@ def test_a_batch_is_resized_once_per_photo_size_in_its_order_and_a_bad_jpeg_fail
             pixels = np.asarray(Image.open(io.BytesIO(jpegs[i])).convert("RGB"))
             alone = resize(pixels, *crop_weights(policy, pixels.shape[1], pixels.shape[0])).astype(int)
             assert np.abs(out[i].astype(int) - alone).max() <= 1, i
+
+
+def test_awkward_jpegs_give_the_cpu_paths_pixels_and_a_truncated_one_is_the_cpu_paths_to_refuse():
+    """Progressive, grayscale, CMYK and EXIF-rotated JPEGs in one batch come out as the CPU path makes them; a cut
+    one never reaches nvImageCodec (nvJPEG would "decode" it) and fails as the CPU path fails it."""
+    policy = read_entry(REPO / "shapes-vit").policy
+    jpegs = awkward_jpegs()
+    sent = []
+
+    def cpu(data: bytes) -> np.ndarray:
+        sent.append(data)
+        return upload_input(data, policy, 10**8)
+
+    out, errors = GpuDecoder(policy, on_host=True).decode(list(jpegs.values()), cpu)
+    assert list(errors) == [5] and isinstance(errors[5], BadInput) and "truncated" in errors[5].message
+    assert jpegs["truncated"] in sent
+    for i, (name, data) in enumerate(jpegs.items()):
+        if name != "truncated":  # full-size decode + matrix resize against the reduced decode and OpenCV's warp:
+            # 2-7 levels apart on average; a quarter turn wrong is over 30
+            assert np.abs(out[i].astype(int) - model_pixels(REPO / "shapes-vit", data)).mean() < 10, name
+
+
+def test_a_batch_that_fails_on_the_gpu_is_decoded_on_the_cpu_and_large_ones_resize_within_a_pixel_budget(
+        monkeypatch, caplog):
+    policy = read_entry(REPO / "shapes-vit").policy
+    decoder = GpuDecoder(policy, on_host=True)
+    jpegs = [photo_bytes("chelsea", "JPEG", quality=90)] * 3 + [b"\xff\xd8\xff not a JPEG"]
+    want = upload_input(jpegs[0], policy, 10**8)
+    resizes = []
+    monkeypatch.setattr(gpu_decode, "RESIZE_PIXELS", 2 * 451 * 300)  # two chelseas at a time
+    monkeypatch.setattr(gpu_decode, "resize", lambda pixels, *a, **kw: resizes.append(len(pixels)) or
+                        resize(pixels, *a, **kw))
+    out, errors = decoder.decode(jpegs, lambda data: upload_input(data, policy, 10**8))
+    assert resizes == [2, 1] and list(errors) == [3]
+
+    def out_of_memory(*args):
+        raise MemoryError("out of memory allocating 12,000,000,000 bytes")
+
+    monkeypatch.setattr(decoder, "_decode", out_of_memory)
+    with caplog.at_level(logging.WARNING, "vitserve"):
+        out, errors = decoder.decode(jpegs, lambda data: upload_input(data, policy, 10**8))
+    assert list(errors) == [3] and isinstance(errors[3], UnsupportedMedia)
+    assert all((out[i] == want).all() for i in range(3)) and "decoded on the CPU instead" in caplog.text
+
+
+def test_the_graphs_share_each_threads_decoder_and_it_first_decodes_a_full_batch(monkeypatch):
+    """nvImageCodec fixes a decoder's share for the JPEG engines at its first batch: a decoder made by the start-up
+    probe on one inference thread, or by a first batch of one on the other, would keep a one-image share."""
+    nvimgcodec = importlib.import_module("nvidia.nvimgcodec")
+    made, real = [], nvimgcodec.Decoder
+
+    class Recording:
+        def __init__(self, **kwargs):
+            self.decoder, self.batches = real(**kwargs), []
+            made.append(self)
+
+        def decode(self, jpegs, **kwargs):
+            self.batches.append(len(jpegs))
+            return self.decoder.decode(jpegs, **kwargs)
+
+    monkeypatch.setattr(nvimgcodec, "Decoder", Recording)
+    monkeypatch.setattr(GpuDecoder, "_threads", {})
+    vit, deit = (read_entry(REPO / name).policy for name in ("shapes-vit", "shapes-deit"))
+    one, two = GpuDecoder(vit, max_batch=8, on_host=True), GpuDecoder(deit, max_batch=8, on_host=True)
+    # one decoder for both graphs on this thread: its warm-up, then each one's start-up probe
+    assert one.local is two.local and len(made) == 1 and made[0].batches == [8, 1, 1]
+    jpeg = [photo_bytes("chelsea", "JPEG")]
+    with ThreadPoolExecutor(1) as other:
+        other.submit(two.decode, jpeg, lambda data: None).result()
+    assert len(made) == 2 and made[1].batches == [8, 1]
 
 
 def encode_jpeg(pixels: np.ndarray) -> bytes:
@@ -262,7 +332,7 @@ def test_without_a_gpu_the_locked_decoder_fails_to_start_for_that_alone_and_says
         pytest.skip("this host has a GPU: tests/test_gpu.py builds the decoder")
     policy = InputPolicy((96, 96), 96, "bicubic", (0.5,) * 3, (0.5,) * 3)
     with caplog.at_level(logging.WARNING, "vitserve"):
-        decoder, reason = gpu_decoder(policy, "shapes-vit")
+        decoder, reason = gpu_decoder(policy, "shapes-vit", 16)
     assert decoder is None and reason.startswith("RuntimeError: "), reason
     assert any(r.levelno == logging.WARNING and "shapes-vit" in r.getMessage() and reason in r.getMessage()
                for r in caplog.records)

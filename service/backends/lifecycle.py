@@ -55,7 +55,7 @@ class ModelLifecycle:
             if runner.provider == CUDA and self.settings.gpu_decode:
                 from ..gpu_decode import gpu_decoder  # CuPy and nvImageCodec stay unimported on a CPU host
                 decoder, reason = await loop.run_in_executor(self.inference, gpu_decoder, self.by_key[graph].policy,
-                                                             graph)
+                                                             graph, self.settings.max_batch_size)
                 if decoder is not None:
                     self.use_jpeg_decoder(graph, decoder)
                 else:

@@ -23,9 +23,10 @@ from ..decode import upload_input
 from ..errors import BadInput, NotFound, overloaded
 from ..metrics import Metrics
 from ..records import Part, host_inputs, kind_of, record_dtype, row_numbers, spans, write_results
-from ..runtime import CPU, Plan, Runner, batches_in_flight, choose_device, serving_plan
+from ..runtime import CPU, Plan, Runner, batches_in_flight, choose_device, cuda_blocking_sync, serving_plan
 from ..settings import Settings
 from ..shared_memory import Regions, SharedIO
+from ..thread_names import name_pool_thread
 from . import ModelStatus
 from .lifecycle import ModelLifecycle, input_names
 
@@ -69,10 +70,12 @@ class LocalBackend(ModelLifecycle):
     # -- start-up ------------------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.settings.cuda_blocking_sync and (problem := cuda_blocking_sync()):  # before any CUDA context
+            log.warning("VITSERVE_CUDA_BLOCKING_SYNC is not applied: %s", problem)
         self.device = await loop.run_in_executor(None, choose_device, self.entries, self.settings.providers)
         self.plans = serving_plan(self.entries, self.device, self.settings.providers)
         self.concurrency = batches_in_flight(self.device)  # as many inference threads
-        self.inference = ThreadPoolExecutor(self.concurrency, thread_name_prefix="inference")
+        self.inference = ThreadPoolExecutor(self.concurrency, thread_name_prefix="infer", initializer=name_pool_thread)
         self._loading = loop.create_task(self._load_all(), name="load-models")
         if self.settings.model_control == "poll":
             self._polling = loop.create_task(self._poll(), name="poll-repository")

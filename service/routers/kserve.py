@@ -25,6 +25,7 @@ from ..open_inference import (Batch, find_model, model_config, model_inputs, mod
 from ..pipeline import Pipeline, Pipelines
 from ..shared_memory import Slice
 from ..statistics import current_statistics
+from ..thread_names import name_pool_thread
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -197,7 +198,7 @@ def build_response(pipeline: Pipeline, header: InferenceRequest, fields: dict[st
 # client of the process would wait out; in the thread it holds the GIL in slices of a few ms, and one large parse
 # at a time bounds the Python objects it makes (bench/abuse_json.py). Smaller ones are not worth the hop.
 INLINE_JSON_BYTES = 256 * 1024
-_json_thread = ThreadPoolExecutor(1, thread_name_prefix="v2-json")
+_json_thread = ThreadPoolExecutor(1, thread_name_prefix="v2-json", initializer=name_pool_thread)
 
 INFER = {"summary": "Run the model on its inputs: images, pixel values, or both",
          "description": "JSON `{\"inputs\": [{\"name\", \"shape\", \"datatype\", \"data\"}], \"outputs\": [...]}`, or "
