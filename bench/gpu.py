@@ -365,6 +365,7 @@ def decoding(cuda: bool, policy: InputPolicy, copies: int = 512) -> None:
         if cuda and (decoder := gpu_decoder(policy)):
             line += "; GpuDecoder " + ", ".join(f"{size}/{n} {gpu_decode_rate(decoder, datas, copies, size, n):,.0f}"
                                                 for size, n in ((1, 1), (16, 2), (64, 2)))
+            line += f"; its nvImageCodec decode alone 64/2 {gpu_decode_rate(decoder, datas, copies, 64, 2, True):,.0f}"
         print(line, flush=True)
     if cuda:
         print(engines_alone(jpeg((451, 300))), flush=True)
@@ -394,15 +395,22 @@ def gpu_decoder(policy: InputPolicy):
         return None
 
 
-def gpu_decode_rate(decoder, datas: list[bytes], copies: int, batch: int, threads: int) -> float:
+def gpu_decode_rate(decoder, datas: list[bytes], copies: int, batch: int, threads: int,
+                    alone: bool = False) -> float:
     """Images/s of `decoder` on batches of `batch` of the JPEGs (in turn), from `threads` threads at once (the
-    service's inference threads: 2 on a GPU), after one warm-up batch in each."""
+    service's inference threads: 2 on a GPU), after one warm-up batch in each; `alone`: its thread's nvImageCodec
+    decoder alone, to the decoded images on the device (no resize), synchronised."""
     fallback = partial(cpu_input, policy=decoder.policy)
     jpegs = [datas[i % len(datas)] for i in range(batch)]
 
     def run(rounds: int) -> None:
         for _ in range(rounds):
-            decoder.decode(jpegs, fallback)
+            if alone:
+                stream = decoder._stream()
+                decoder.local.decoder.decode(jpegs, params=decoder.params, cuda_stream=stream.ptr)
+                stream.synchronize()
+            else:
+                decoder.decode(jpegs, fallback)
 
     rounds = max(1, copies // batch // threads)
     with ThreadPoolExecutor(threads) as pool:

@@ -202,13 +202,15 @@ SWITCHES = {"default": {}, "CUDA blocking sync": {"cuda_blocking_sync": True}, "
 CENSUS_LEVELS = ["/classify 1 JPEG", "/classify 8 JPEG", "/v2 UINT8 1 img"]  # with a census each, at the default
 
 
-def schedule(switches: list[str]) -> list[str]:
-    """The A/B's order: the default first, again after every three switches, and last, so that drift shows."""
+def schedule(switches: list[str], rounds: int = 1) -> list[str]:
+    """The A/B's order: the default first, again after every three switches and at the end of each round, so that
+    drift shows."""
     order = ["default"]
-    for i, switch in enumerate(switches):
-        order.append(switch)
-        if i % 3 == 2 or i == len(switches) - 1:
-            order.append("default")
+    for _ in range(rounds):
+        for i, switch in enumerate(switches):
+            order.append(switch)
+            if i % 3 == 2 or i == len(switches) - 1:
+                order.append("default")
     return order
 
 
@@ -257,7 +259,8 @@ def row(label: str, clients: int, m: Level) -> str:
             f"{m.gpu:>7} {m.cores:>5.1f} {ms[WORKERS]:>7.3f} {ms[INFERENCE]:>8.3f} {ms['wrk']:>6.3f} {ms['all']:>7.3f}")
 
 
-def service(report: Report, cache: Path, cuda: bool, clients: int, seconds: int, switches: list[str]) -> None:
+def service(report: Report, cache: Path, cuda: bool, clients: int, seconds: int, switches: list[str],
+            rounds: int, census_levels: bool) -> None:
     """At the default settings, a census of each of CENSUS_LEVELS and the 12 MP photo; then the A/B: /classify with
     1 JPEG at each switch against the default, interleaved (schedule), and the 12 MP photo at the default and with
     GPU decoding."""
@@ -278,8 +281,8 @@ def service(report: Report, cache: Path, cuda: bool, clients: int, seconds: int,
     ab: dict[str, list[Level]] = {}
     failed = 0
     with repository_of(folders) as repo:
-        for i, switch in enumerate(schedule(switches)):
-            first = i == 0
+        for i, switch in enumerate(schedule(switches, rounds)):
+            first = i == 0 and census_levels
             with running_service(model_repository=repo, **settings | SWITCHES[switch]) as url:
                 supervisor = supervisor_pid(int(url.rsplit(":", 1)[1]))
                 models = httpx.get(f"{url}/models", timeout=10).json()["models"]
@@ -289,7 +292,8 @@ def service(report: Report, cache: Path, cuda: bool, clients: int, seconds: int,
                     + (f" ({m['decode_reason']})" if m.get("decode_reason") else "") for m in models))
                 report(HEADER)
                 labels = ([*CENSUS_LEVELS, "/classify 12 MP"] if first else ["/classify 1 JPEG"]
-                          + (["/classify 12 MP"] if switch in ("default", "GPU decoding") else []))
+                          + (["/classify 12 MP"] if switch in ("default", "GPU decoding") and "GPU decoding" in switches
+                             else []))
                 for label in labels:
                     conns = min(clients, 64) if label == "/classify 12 MP" else clients
                     try:
@@ -308,11 +312,12 @@ def service(report: Report, cache: Path, cuda: bool, clients: int, seconds: int,
         report(f"\nA/B, /classify 1 JPEG at {clients} connections: img/s against the median of the default's "
                f"{len(ab['default'])} runs ({base:,.0f}: " + ", ".join(f"{m.figures.images_per_s:,.0f}"
                                                                        for m in ab["default"]) + ")")
-        for switch, runs in ab.items():
-            m = runs[-1] if switch != "default" else min(runs, key=lambda r: abs(r.figures.images_per_s - base))
-            report(f"  {switch:<20} {m.figures.images_per_s:>9,.0f} img/s  {m.figures.images_per_s / base:>5.2f}x  "
-                   f"p99 {m.figures.p99_ms:>6.1f} ms  host {m.per_image['all']:.3f} ms/img  HTTP "
-                   f"{m.per_image[WORKERS]:.3f}  infer {m.per_image[INFERENCE]:.3f}")
+        for switch, runs in ab.items():  # medians over the switch's runs
+            rate = statistics.median(m.figures.images_per_s for m in runs)
+            ms = {k: statistics.median(m.per_image[k] for m in runs) for k in ("all", WORKERS, INFERENCE)}
+            report(f"  {switch:<20} {rate:>9,.0f} img/s  {rate / base:>5.2f}x  p99 "
+                   f"{statistics.median(m.figures.p99_ms for m in runs):>6.1f} ms  host {ms['all']:.3f} ms/img  "
+                   f"HTTP {ms[WORKERS]:.3f}  infer {ms[INFERENCE]:.3f}  ({len(runs)} runs)")
     if failed:
         raise PartFailed(f"{failed} level(s) failed")
 
@@ -430,6 +435,8 @@ def main() -> None:
     p.add_argument("--seconds", type=int, help="per service level, after 1 s of warm-up (default: 5)")
     p.add_argument("--switches", nargs="*", choices=[k for k in SWITCHES if k != "default"],
                    default=[k for k in SWITCHES if k != "default"], help="the A/B's, each against the default")
+    p.add_argument("--rounds", type=int, default=1, help="the A/B's switches this many times over")
+    p.add_argument("--no-census", action="store_true", help="the A/B alone, without the census levels")
     p.add_argument("--max-batch-size", type=int, default=16, help="the profile's (VITSERVE_MAX_BATCH_SIZE)")
     args = p.parse_args()
     if args.export_cache:
@@ -453,7 +460,8 @@ def main() -> None:
         report(f"{len(refilled)} graphs staged without their weights given new ones (bench/weightless.py) in "
                f"{time.monotonic() - start:.0f} s")
     parts: dict[str, Callable[[], None]] = {
-        "service": lambda: service(report, args.cache, cuda, clients, seconds, args.switches),
+        "service": lambda: service(report, args.cache, cuda, clients, seconds, args.switches, args.rounds,
+                                   not args.no_census),
         "profile": lambda: profile(report, args.cache, cuda, clients, seconds, args.max_batch_size),
         "graphs": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "graphs", "--models",
                                           *(GRAPH_MODELS if cuda else [MODEL]), "--batches", "256", "--cache",
