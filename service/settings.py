@@ -86,7 +86,9 @@ class Settings(BaseSettings):
                                                 "by default: on an H100 it served /classify 2.3-3.8x slower than the "
                                                 "CPU's decoding (docs/performance.md, the GPU check)")
     intra_op_threads: int = Field(0, ge=0, description="threads per inference (0: one per core)")
-    decode_threads: int = Field(0, ge=0, description="image-decoding threads (0: one per core, at most 8)")
+    decode_threads: int = Field(0, ge=0, description="image-decoding threads per process (0: the thread backend one "
+                                                     "per core, at most 8; each HTTP worker of the process backend "
+                                                     "its share of the cores, at least one)")
     spin_wait: bool = Field(True, description="on the CPU, ONNX Runtime's threads spin while a batch runs, never "
                                               "between batches: a lone request's answer sooner (CUDA sessions never "
                                               "spin)")
