@@ -1,32 +1,35 @@
-"""One command for a GPU host (`make gpu-check`): the service under wrk, a profile of it, the graphs at batch 256, JPEG
-decoding, and the CUDA tests, in that order, into bench/results/gpu-<date>-<commit>.txt with the device, date, commit
-and ONNX Runtime.
+"""One command for a GPU host (`make gpu-check`): the service under wrk with a per-thread CPU census and an A/B of
+the settings that might bind, JPEG decoding, the CUDA tests, the graphs at batch 256 and a profile, in that order,
+into bench/results/gpu-<date>-<commit>.txt with the device, the CPU, date, commit and ONNX Runtime.
 
     python bench/gpu_check.py --export-cache /tmp/gpu-cache   # on the CPU host: the graphs it needs, weightless
-    python bench/gpu_check.py --cache /tmp/gpu-cache          # on the GPU host: about 7 minutes on an H100
+    python bench/gpu_check.py --cache /tmp/gpu-cache          # on the GPU host: about 6 minutes on an H200
     python bench/gpu_check.py --quick                         # a smoke run: 1 s levels, 64 connections, 1 round
+    python bench/gpu_check.py --parts service --switches "1 decode thread" --rounds 2 --no-census   # one A/B again
 
 service: `python -m service` (the backend it picks: process on CUDA) serving DeiT-Ti from --cache, with its fp16
-         sibling on CUDA (so in fp16), GPU decoding on and off (VITSERVE_GPU_DECODE); wrk (bench/wrk.py, one fixed
-         request over kept-alive connections) posting /classify with 1 and 8 JPEGs (the 451 x 300 chelsea photo) and
-         /v2 UINT8 binary tensors of 1 and 8 images, at each connection count: images/s, p50/p99, errors (non-2xx
-         among them), the GPU's utilisation (NVML, sampled through the measured window), the host's busy cores
-         (/proc/stat: wrk's included), and the CPU ms per image of the HTTP workers together and of the inference
-         process (/proc/PID/stat, as bench/process_cost.py counts them); --decode-threads sweeps the workers' decode
-         pools.
-profile: py-spy (--subprocesses) on the service through one level each of /classify 1 JPEG and /v2 8 images at the
-         largest connection count, GPU decoding off: each process's busy threads and its busiest leaf frames (where
-         the time goes when a target is missed).
+         sibling on CUDA (so in fp16); wrk (bench/wrk.py, one fixed request over kept-alive connections) for
+         1 + 5 + 1 s a level, measured over the middle 5 s: images/s, p50/p99, errors (non-2xx among them), the GPU's
+         utilisation (NVML), the host's busy cores (/proc/stat: wrk's included) and the CPU ms per image of the HTTP
+         workers, the inference process, wrk and the whole host. At the default settings, /classify with 1 and 8
+         JPEGs (the 451 x 300 chelsea photo), /v2 with 1 UINT8 image and /classify with a 12 MP phone photo, each
+         with a census (bench/census.py: every thread of the service and of wrk by role and job, the host's steal,
+         softirq, context switches and interrupts). Then the A/B: /classify 1 JPEG at each of SWITCHES against the
+         default, interleaved (the default again after every three, and last), --rounds times over; with GPU
+         decoding among them, the phone photo too.
+decode:  bench/gpu.py --parts decode: the CPU path on every core against GpuDecoder and nvImageCodec alone, batches
+         of 1, 16 and 64 from one and two threads, for the 451 x 300 photo, the 12 MP one and mixed sizes; and
+         whether the JPEG engines alone decode with fancy upsampling.
+tests:   python -m pytest -q tests/test_gpu.py tests/test_gpu_decode.py.
 graphs:  bench/gpu.py --parts graphs --models GRAPH_MODELS --batches 256 --cache DIR: DeiT-Ti, ViT-B/16 and Swin-T
          (DeiT-Ti alone on the CPU). It exports nothing on a host whose torch cannot: a missing graph stops it with
          the command that makes it.
+profile: py-spy (--subprocesses) on the service through one level each of /classify 1 JPEG and /v2 8 images: each
+         process's busy threads and its busiest leaf frames.
 The cache's graphs travel without their weights (bench/weightless.py), and get new random ones before any part runs.
-decode:  bench/gpu.py --parts decode: the CPU path on every core against the GPU decoder alone, at batches of 1, 16
-         and 64, from one and two threads.
-tests:   python -m pytest -q tests/test_gpu.py tests/test_gpu_decode.py.
 A part that fails is recorded and the next one runs. Without CUDA the same parts run on the CPU (fp32, GPU decoding
-not run, test_gpu.py skipped), and the file says so. The commit is git's, or GPU_CHECK_COMMIT's where the tree
-has no git repository (a copy on the GPU host).
+and blocking sync not run, test_gpu.py skipped), and the file says so. The commit is git's, or GPU_CHECK_COMMIT's
+where the tree has no git repository (a copy on the GPU host).
 """
 import argparse
 import os
@@ -462,14 +465,14 @@ def main() -> None:
     parts: dict[str, Callable[[], None]] = {
         "service": lambda: service(report, args.cache, cuda, clients, seconds, args.switches, args.rounds,
                                    not args.no_census),
-        "profile": lambda: profile(report, args.cache, cuda, clients, seconds, args.max_batch_size),
-        "graphs": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "graphs", "--models",
-                                          *(GRAPH_MODELS if cuda else [MODEL]), "--batches", "256", "--cache",
-                                          str(args.cache), *rounds], 300),
         "decode": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "decode", "--models", MODEL,
                                           "--cache", str(args.cache)], 240),
         "tests": lambda: logged(report, [sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py",
-                                         "tests/test_gpu_decode.py"], 240)}
+                                         "tests/test_gpu_decode.py"], 240),
+        "graphs": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "graphs", "--models",
+                                          *(GRAPH_MODELS if cuda else [MODEL]), "--batches", "256", "--cache",
+                                          str(args.cache), *rounds], 300),
+        "profile": lambda: profile(report, args.cache, cuda, clients, seconds, args.max_batch_size)}
     outcomes = []
     for name, part in ((k, v) for k, v in parts.items() if k in args.parts):
         report(f"\n== {name}")

@@ -83,8 +83,8 @@ class Settings(BaseSettings):
                                               "GPU (CI) then exercises the device path")
     gpu_decode: bool = Field(False, description="on CUDA, decode JPEGs on the GPU with nvImageCodec, in batches, "
                                                 "where it and CuPy are installed (the `gpu` extra); else Pillow. Off "
-                                                "by default: on an H100 it served /classify 2.3-3.8x slower than the "
-                                                "CPU's decoding (docs/performance.md, the GPU check)")
+                                                "by default: on an H200 it served /classify 0.67x the CPU's "
+                                                "decoding, nvImageCodec's own rate the bound (docs/performance.md)")
     intra_op_threads: int = Field(0, ge=0, description="threads per inference (0: one per core)")
     decode_threads: int = Field(0, ge=0, description="image-decoding threads per process (0: the thread backend one "
                                                      "per core, at most 8; each HTTP worker of the process backend "
