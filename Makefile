@@ -72,6 +72,8 @@ models: install
 		--name shapes-swin --eval-data $(SHAPES)/val --out $(REPO)
 	$(EXPORT) vit_micro_patch16_fer_112 --weights $(DEMO)/vit_micro_patch16_fer_112/model.safetensors \
 		--name expression-vit --eval-data $(FACES)/val --out $(REPO)
+	$(EXPORT) mini_xception_fer2013_64 --weights models/pretrained/mini_xception_fer2013.safetensors \
+		--name expression-fer2013 --out $(REPO)
 	$(EXPORT) mtcnn --out $(REPO)
 
 demo-data: install

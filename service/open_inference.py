@@ -67,7 +67,9 @@ def model_metadata(pipeline: Pipeline) -> dict:
     m, (images, *others) = pipeline.entry.manifest, accepted_inputs(pipeline)
     return {
         "name": pipeline.name, "versions": [str(pipeline.entry.version)], "platform": "onnxruntime_onnx",
-        "parameters": {"preprocessing": pipeline.entry.preprocessing, "other_inputs": others},
+        # attention_outputs: the outputs attention maps are drawn from, none for a CNN
+        "parameters": {"preprocessing": pipeline.entry.preprocessing, "other_inputs": others,
+                       "attention_outputs": pipeline.attention_outputs},
         "inputs": [images],
         "outputs": [{"name": o["name"], "datatype": "FP32", "shape": [-1 if d == "batch" else d for d in o["shape"]]}
                     for o in m["outputs"]],
@@ -170,7 +172,8 @@ def check_outputs(pipeline: Pipeline, asked: list[str]) -> None:
     names = output_names(pipeline.entry)
     unknown = [name for name in asked if name not in names]
     if unknown:
-        raise BadInput(f"no output {unknown[0]!r}; outputs: {', '.join(names)}")
+        none = "" if pipeline.entry.attention else f" ({pipeline.name} has no attention outputs)"
+        raise BadInput(f"no output {unknown[0]!r}; outputs: {', '.join(names)}{none}")
 
 
 def model_outputs(pipeline: Pipeline, fields: dict[str, np.ndarray], asked: list[str]) -> dict[str, np.ndarray]:

@@ -76,7 +76,7 @@ class Pipeline:
         # the name clients call it by; the key the backend serves this version by (NAME, or NAME@VERSION)
         self.name, self.key, self.policy = entry.name, entry.key, entry.policy
         self.fields = [*output_names(entry), "probs", "top_index", "top_score", *TIMINGS]
-        self.attention_outputs = list(entry.manifest["attention"]["outputs"].values())
+        self.attention_outputs = list(entry.attention["outputs"].values()) if entry.attention else []
         self.stats = metrics.request_observer(self.name, str(entry.version))
 
     @counted
@@ -239,6 +239,13 @@ class Pipeline:
         self.metrics.decode_seconds.observe(seconds)
         return seconds * 1e3
 
+    def check_attention(self) -> None:
+        """BadInput, before any work, for a request of attention maps from a model without attention outputs."""
+        if self.entry.attention is None:
+            raise BadInput(f"{self.name} has no attention maps: it has no attention outputs (family "
+                           f"{self.entry.manifest['family']}; maps come from ViT, DeiT and Swin models). Ask without "
+                           "attention, or name another model", "no_attention")
+
     def record(self, out: Results, i: int) -> AttentionRecord:
         """Image i's attention result (of a request run with keep=True)."""
         photo = out.photos[i]
@@ -277,6 +284,10 @@ class Pipelines:
         default, names = self.settings.default_model, sorted({e.name for e in entries})
         if default is not None and default not in names:
             raise RepositoryError(f"VITSERVE_DEFAULT_MODEL={default} is not in the repository ({', '.join(names)})")
+        faces = self.settings.default_expression_model
+        if faces is not None and faces not in {e.name for e in entries if e.task == "expression"}:
+            raise RepositoryError(f"VITSERVE_DEFAULT_EXPRESSION_MODEL={faces} is not an expression model of the "
+                                  f"repository ({', '.join(names)})")
         self.default_model = default or next((e.name for e in entries if e.task == "classification"),
                                              entries[0].name)
 
@@ -346,6 +357,14 @@ class Pipelines:
         self._sync()
         return self.pipelines.get(key)
 
+    @property
+    def default_expression_model(self) -> str | None:
+        """The model of /expression requests that name none: VITSERVE_DEFAULT_EXPRESSION_MODEL, else the first
+        expression model served, by name."""
+        self._sync()
+        served = sorted(p.name for p in self._latest.values() if p.entry.task == "expression")
+        return self.settings.default_expression_model or next(iter(served), None)
+
     def _sync(self) -> None:
         if self._generation != self.backend.generation:  # loaded, reloaded or unloaded since: rare
             self.served()
@@ -359,8 +378,7 @@ class Pipelines:
         if (problem := self.backend.problem()) is not None:  # the inference process restarting, or hung
             raise problem
         if name is None and task == "expression":
-            self._sync()
-            name = next((p.name for p in self._latest.values() if p.entry.task == "expression"), None)
+            name = self.default_expression_model
             if name is None:
                 raise NotFound("the repository has no expression model (task: expression)", "model_not_found")
         name = name or self.default_model

@@ -61,7 +61,9 @@ class ModelInfo(BaseModel):
                                                         "or VITSERVE_GPU_DECODE is off")
     ready: bool
     error: str | None = None
-    attention: dict = Field(description="how attention maps are computed for this model")
+    attention: dict | None = Field(description="how attention maps are computed for this model; null for a model "
+                                               "without attention outputs (a CNN), whose maps every route refuses "
+                                               "with 400")
     explain: bool = Field(description="whether rollout maps are available (explain.onnx)")
     parity: dict = Field(description="the export's parity figures, from the manifest")
 
@@ -75,6 +77,7 @@ class FaceDetectorInfo(BaseModel):
 
 class ModelsResponse(BaseModel):
     default_model: str | None
+    default_expression_model: str | None = Field(None, description="the model of /expression requests that name none")
     models: list[ModelInfo]
     not_served: dict[str, str] = Field(description="repository folders that failed validation, with why")
     face_detector: FaceDetectorInfo | None = Field(

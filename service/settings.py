@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     poll_s: float = Field(10.0, gt=0, description="with MODEL_CONTROL=poll, seconds between rescans")
     default_model: str | None = Field(None, description="model for requests that name none (default: the first "
                                                         "classification model, by name)")
+    default_expression_model: str | None = Field(None, description="expression model for /expression requests that "
+                                                                   "name none (default: the first expression model, "
+                                                                   "by name: expression-fer2013 of the embedded ones)")
     max_batch_size: int = Field(16, ge=1, le=1024, description="images per inference call")
     max_queue_delay_ms: float = Field(5.0, ge=0, description="how long the oldest queued image may wait for a batch "
                                                            "to fill, while other requests are still decoding")

@@ -11,6 +11,7 @@ from skimage import data as photos
 # Eileen Collins's face in skimage's astronaut (512 x 512), [x, y, w, h]: OpenCV's Haar cascade's box, checked
 # by eye once (brow to chin, ear to ear).
 ASTRONAUT_FACE = (182, 70, 90, 92)
+SIDES = (180, 140, 110, 90, 70)  # the pasted faces' sides, in pixels
 
 
 def lfw_scenes(side: int = 100, canvas: int = 200) -> tuple[list[Image.Image], list[Image.Image], tuple]:
@@ -26,22 +27,37 @@ def lfw_scenes(side: int = 100, canvas: int = 200) -> tuple[list[Image.Image], l
     return scenes[:100], scenes[100:], (canvas / 2, canvas / 2, side)
 
 
+def astronaut_face() -> Image.Image:
+    """Her face with a 10-pixel margin, as pasted into the scenes."""
+    x, y, w, h = ASTRONAUT_FACE
+    return Image.fromarray(photos.astronaut()).crop((x - 10, y - 10, x + w + 10, y + h + 10))
+
+
+def paste(scene: Image.Image, source: Image.Image, cx: int, cy: int, side: int, angle: int) -> tuple:
+    """`source` resized to `side`, turned `angle` degrees in-plane and pasted centred on (cx, cy): the face."""
+    face = source.resize((side, side), Image.BICUBIC).convert("RGBA").rotate(angle, Image.BICUBIC, expand=True)
+    scene.paste(face, (round(cx - face.width / 2), round(cy - face.height / 2)), face)
+    return cx, cy, side, angle
+
+
 def group_photo(angles: tuple[int, ...] = (-30, -15, 0, 15, 30)) -> tuple[Image.Image, list[tuple]]:
     """A scene 1400 pixels wide over a real texture: the astronaut's face and four lfw faces, at sides from 180
     down to 70 pixels, in one 250-pixel row per angle of `angles` (degrees, in-plane). (The scene, its faces as
     (cx, cy, side, angle).)"""
     scene = Image.fromarray(photos.gravel()).convert("RGB").resize((1400, 250 * len(angles)))
-    x, y, w, h = ASTRONAUT_FACE
-    sources = [Image.fromarray(photos.astronaut()).crop((x - 10, y - 10, x + w + 10, y + h + 10))]
+    sources = [astronaut_face()]
     sources += [Image.fromarray((photos.lfw_subset()[k] * 255).astype(np.uint8)).convert("RGB") for k in (0, 2, 3, 5)]
-    faces = []
-    for row, angle in enumerate(angles):
-        for col, (source, side) in enumerate(zip(sources, (180, 140, 110, 90, 70))):
-            cx, cy = 140 + col * 280, 125 + row * 250
-            face = source.resize((side, side), Image.BICUBIC).convert("RGBA").rotate(angle, Image.BICUBIC,
-                                                                                     expand=True)
-            scene.paste(face, (round(cx - face.width / 2), round(cy - face.height / 2)), face)
-            faces.append((cx, cy, side, angle))
+    faces = [paste(scene, source, 140 + col * 280, 125 + row * 250, side, angle) for row, angle in enumerate(angles)
+             for col, (source, side) in enumerate(zip(sources, SIDES))]
+    return scene, faces
+
+
+def astronaut_five_times() -> tuple[Image.Image, list[tuple]]:
+    """The astronaut's face five times over a real texture, at sides from 180 down to 70 pixels, turned from -30 to
+    30 degrees. (The scene, its faces as (cx, cy, side, angle).)"""
+    scene = Image.fromarray(photos.gravel()).convert("RGB").resize((1400, 260))
+    faces = [paste(scene, astronaut_face(), 140 + i * 280, 130, side, angle)
+             for i, (side, angle) in enumerate(zip(SIDES, (-30, -15, 0, 15, 30)))]
     return scene, faces
 
 

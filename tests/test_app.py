@@ -12,7 +12,7 @@ import pytest
 from fastapi.routing import iter_route_contexts
 from service_process import ROOT, direct_probabilities, photo_bytes
 
-from repository import servable
+from repository import RepositoryError, servable
 from service.app import create_app
 from service.backends import ModelStatus
 from service.backends.local import LocalBackend
@@ -130,6 +130,17 @@ def test_without_a_face_detector_the_service_serves_and_face_detection_answers_5
     assert models.json()["face_detector"]["name"] is None and why in models.json()["face_detector"]["error"]
     (face,) = aligned.json()["faces"]
     assert aligned.status_code == 200 and face["box"] == [0, 0, 512, 512] and face["landmarks"] is None
+
+
+def test_the_default_expression_model_is_a_setting_checked_at_start_up():
+    settings = Settings(model_repository=REPO, warmup_runs=0, default_expression_model="expression-vit")
+    photo = {"files": {"file": ("a.jpg", photo_bytes("astronaut", "JPEG"))}}
+    expressed, models = asyncio.run(call(create_app(settings, LocalBackend(settings, Metrics()), metrics=Metrics()),
+                                         [("POST", "/expression", photo), ("GET", "/models", {})]))
+    assert expressed.json()["model"] == models.json()["default_expression_model"] == "expression-vit"
+    wrong = Settings(model_repository=REPO, warmup_runs=0, default_expression_model="shapes-vit")
+    with pytest.raises(RepositoryError, match="VITSERVE_DEFAULT_EXPRESSION_MODEL=shapes-vit is not an expression"):
+        asyncio.run(call(create_app(wrong, LocalBackend(wrong, Metrics()), metrics=Metrics()), []))
 
 
 def test_every_upload_route_treats_missing_and_repeated_images_alike():

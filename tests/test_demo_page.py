@@ -58,7 +58,8 @@ def test_a_photo_gets_its_top_five_and_the_attention_overlay(url, page, tmp_path
 
 
 def test_the_astronaut_gets_one_face_box_where_her_face_is_with_its_landmarks(page, tmp_path):
-    page.select_option("#model", "expression-vit")
+    assert "default for faces" in page.locator('#model option[value="expression-fer2013"]').inner_text()
+    page.select_option("#model", "expression-fer2013")
     upload(page, tmp_path, "astronaut.jpg", photo_bytes("astronaut", "JPEG"))
     page.wait_for_selector(".face")
     assert page.locator(".face").count() == 1
@@ -68,6 +69,7 @@ def test_the_astronaut_gets_one_face_box_where_her_face_is_with_its_landmarks(pa
     assert overlap / (w * h + fw * fh - overlap) >= 0.5
     drawn = page.locator(".face").bounding_box()
     assert drawn["width"] > 20  # drawn over the picture, not just in the DOM
+    assert page.locator(".face span").inner_text().startswith("happiness")  # she smiles
     assert page.locator(".landmark").count() == 5
     for i in range(5):
         dot = page.locator(".landmark").nth(i).bounding_box()

@@ -1,5 +1,5 @@
 """POST /expression end to end: real photographs, a collage of real faces, faces turned in-plane, and the synthetic
-held-out faces."""
+held-out faces; the default model (expression-fer2013, a CNN with real weights) and the cartoon-face ViT beside it."""
 import io
 import json
 
@@ -11,8 +11,9 @@ from PIL import Image
 from service_process import ROOT, metric, photo_bytes, running_service
 from skimage import data as photos
 
-from face_scenes import ASTRONAUT_FACE, found, group_photo
+from face_scenes import ASTRONAUT_FACE, astronaut_five_times, found, group_photo
 
+from models.labels import RAF_DB_LABELS
 from models.synthetic import sample_rng
 from models.synthetic.faces import render_face
 from repository import graph_inputs
@@ -48,7 +49,7 @@ def test_astronaut_has_one_face_where_it_is_with_its_landmarks(url):
     r = post(url, photo_bytes("astronaut", "JPEG"))
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["model"] == "expression-vit" and body["image_size"] == [512, 512]
+    assert body["model"] == "expression-fer2013" and body["image_size"] == [512, 512]
     (face,) = body["faces"]
     # MTCNN's box runs brow to chin, taller than the Haar cascade's square: 0.77 IoU (bench/face_detection.py)
     assert iou(face["box"], ASTRONAUT_FACE) >= 0.7 and face["detection_score"] > 0.99
@@ -58,11 +59,26 @@ def test_astronaut_has_one_face_where_it_is_with_its_landmarks(url):
     assert all(x <= px <= x + w and y <= py <= y + h for px, py in marks.values())
     assert marks["left_eye"][0] < marks["nose"][0] < marks["right_eye"][0]
     assert max(marks["left_eye"][1], marks["right_eye"][1]) < marks["nose"][1] < marks["mouth_left"][1]
-    labels = json.loads((ROOT / "model_repository" / "expression-vit" / "manifest.json").read_text())["labels"]
-    assert list(face["probabilities"]) == labels == ["surprise", "fear", "disgust", "happiness", "sadness", "anger",
+    labels = json.loads((ROOT / "model_repository" / "expression-fer2013" / "manifest.json").read_text())["labels"]
+    assert list(face["probabilities"]) == labels == ["anger", "disgust", "fear", "happiness", "sadness", "surprise",
                                                      "neutral"]
     assert abs(sum(face["probabilities"].values()) - 1) < 1e-6
-    assert face["expression"] == max(face["probabilities"], key=face["probabilities"].get)
+    assert face["expression"] == max(face["probabilities"], key=face["probabilities"].get) == "happiness"
+    assert face["score"] > 0.9  # she smiles
+    vit = post(url, photo_bytes("astronaut", "JPEG"), model="expression-vit").json()
+    assert vit["model"] == "expression-vit" and vit["faces"][0]["box"] == face["box"]
+    assert list(vit["faces"][0]["probabilities"]) == list(RAF_DB_LABELS)
+
+
+def test_her_mirrored_face_and_her_face_five_times_turned_and_smaller_smile_too(url):
+    mirrored = Image.fromarray(photos.astronaut()).transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    (face,) = post(url, encode(mirrored, quality=92)).json()["faces"]
+    assert face["expression"] == "happiness" and face["score"] > 0.9
+    scene, pasted = astronaut_five_times()
+    faces = post(url, encode(scene, quality=95)).json()["faces"]
+    boxes = np.array([[x, y, x + w, y + h] for x, y, w, h in (f["box"] for f in faces)], np.float64)
+    assert len(faces) == 5 and all(found(boxes, p) for p in pasted)
+    assert [f["expression"] for f in faces] == ["happiness"] * 5, faces
 
 
 def test_faces_turned_30_degrees_either_way_are_found_in_a_group_photo(url):
@@ -111,8 +127,8 @@ def test_a_collage_gets_one_box_per_face_all_in_one_batch(url):
     assert all(max(iou(f["box"], p) for f in faces) >= 0.5 for p in pasted)
     assert all(f["batch_size"] == len(pasted) for f in faces)
     after = httpx.get(f"{url}/metrics").text
-    five = {"model": "expression-vit", "le": "8.0"}
-    four = {"model": "expression-vit", "le": "4.0"}
+    five = {"model": "expression-fer2013", "le": "8.0"}
+    four = {"model": "expression-fer2013", "le": "4.0"}
     grew = lambda labels: metric(after, "vitserve_batch_size_bucket", **labels) - metric(before, "vitserve_batch_size_bucket", **labels)  # noqa: E731
     assert grew(five) == 1 and grew(four) == 0  # one inference call of 5 faces
     assert len(post(url, encode(canvas, "PNG"), max_faces=2).json()["faces"]) == 2
@@ -126,7 +142,7 @@ def test_synthetic_held_out_faces_through_http_match_the_exported_model(url):
     labels = json.loads((ROOT / "model_repository" / "expression-vit" / "manifest.json").read_text())["labels"]
     via_http = []
     for f in faces:
-        (face,) = post(url, encode(f.image, "PNG"), detect="false").json()["faces"]
+        (face,) = post(url, encode(f.image, "PNG"), detect="false", model="expression-vit").json()["faces"]
         via_http.append(labels.index(face["expression"]))
     truth = np.array([f.label for f in faces])
     assert np.array_equal(np.array(via_http), direct)
@@ -134,12 +150,39 @@ def test_synthetic_held_out_faces_through_http_match_the_exported_model(url):
 
 
 def test_face_attention_maps_and_wrong_models(url):
-    (face,) = post(url, photo_bytes("astronaut", "JPEG"), attention="true").json()["faces"]
+    (face,) = post(url, photo_bytes("astronaut", "JPEG"), attention="true", model="expression-vit").json()["faces"]
     body = httpx.get(f"{url}{face['attention_map_url']}&format=json").json()
     assert body["image_size"] == [112, 112] and body["grid_size"] == [7, 7]  # over the aligned face the model saw
     r = post(url, photo_bytes("astronaut", "JPEG"), model="shapes-vit")
     assert r.status_code == 400 and r.json()["error"]["code"] == "not_an_expression_model"
     assert post(url, b"not an image").status_code == 415
+
+
+def test_the_cnn_refuses_attention_maps_on_every_route_and_says_it_has_none(url):
+    """expression-fer2013 has no attention outputs: 400 with code no_attention before any work, and the server
+    serves on; /models and the v2 metadata say so."""
+    photo = photo_bytes("astronaut", "JPEG")
+    files = {"file": ("photo", photo)}
+    refused = [post(url, photo, attention="true"),
+               httpx.post(f"{url}/classify", files=files, params={"model": "expression-fer2013", "attention": "true"}),
+               httpx.post(f"{url}/attention-map", files=files, params={"model": "expression-fer2013"})]
+    for r in refused:
+        assert r.status_code == 400 and r.json()["error"]["code"] == "no_attention", r.text
+        assert "expression-fer2013 has no attention" in r.json()["error"]["message"]
+    pixels = np.zeros((1, 64, 64, 3), np.uint8)
+    v2 = httpx.post(f"{url}/v2/models/expression-fer2013/infer", json={
+        "inputs": [{"name": "images", "datatype": "UINT8", "shape": list(pixels.shape),
+                    "data": pixels.ravel().tolist()}],
+        "outputs": [{"name": "cls_attention"}]})
+    assert v2.status_code == 400 and "has no attention outputs" in v2.json()["error"], v2.text
+    served = httpx.post(f"{url}/classify", files=files, params={"model": "expression-fer2013"})
+    assert served.status_code == 200 and served.json()["results"][0]["attention_map_url"] is None
+    models = {m["name"]: m for m in httpx.get(f"{url}/models").json()["models"]}
+    assert models["expression-fer2013"]["attention"] is None and not models["expression-fer2013"]["explain"]
+    assert models["expression-fer2013"]["family"] == "cnn" and models["expression-vit"]["attention"] is not None
+    meta = httpx.get(f"{url}/v2/models/expression-fer2013").json()
+    assert meta["parameters"]["attention_outputs"] == [] and [o["name"] for o in meta["outputs"]] == ["logits"]
+    assert httpx.get(f"{url}/v2/models/expression-vit").json()["parameters"]["attention_outputs"] == ["cls_attention"]
 
 
 def test_the_process_backend_finds_the_same_faces_in_its_workers(url):
@@ -148,7 +191,8 @@ def test_the_process_backend_finds_the_same_faces_in_its_workers(url):
     group = encode(group_photo(angles=(0,))[0], quality=95)
     with running_service(backend="process", workers=2) as base:
         for photo in (photo_bytes("astronaut", "JPEG"), group):
-            here, there = post(url, photo).json()["faces"], post(base, photo, attention="true").json()["faces"]
+            here = post(url, photo, model="expression-vit").json()["faces"]
+            there = post(base, photo, attention="true", model="expression-vit").json()["faces"]
             assert [f["box"] for f in there] == [f["box"] for f in here] and len(here) >= 1
             for a, b in zip(here, there):
                 assert a["landmarks"] == b["landmarks"]

@@ -29,7 +29,7 @@ def test_cuda_runner_with_iobinding_matches_the_cpu(tf32, tolerance):
     """Without TF32 (the service's default: VITSERVE_CUDA_TF32) fp32 on CUDA gives the CPU's answers within the
     export gate's 1e-4; with it, matrix products round their inputs to 10 bits, and 1e-3-sized errors are the
     expected price (1.6e-3 was seen on shapes-swin), so 1e-2."""
-    for name in ("shapes-vit", "shapes-deit", "shapes-swin", "expression-vit"):
+    for name in ("shapes-vit", "shapes-deit", "shapes-swin", "expression-vit", "expression-fer2013"):
         manifest = json.loads((REPO / name / "manifest.json").read_text())
         h, w = manifest["input"]["size"]
         rng = np.random.default_rng(0)
@@ -183,3 +183,19 @@ def test_the_service_decodes_jpegs_on_the_gpu_where_it_can():
         r = httpx.post(f"{url}/classify", files=files, params={"model": "shapes-vit"})
         assert r.status_code == 200 and len(r.json()["results"]) == 9
         assert len({json.dumps(x["predictions"][0]["label"]) for x in r.json()["results"]}) == 1
+
+
+def test_the_expression_cnn_serves_on_cuda_and_reads_the_astronauts_smile():
+    """mini-Xception's convolutions (cuDNN) and TensorFlow's `same` padding (a Pad of -inf before each max pool)
+    on CUDA: the CPU's probabilities within 1e-4."""
+    photo = {"file": ("astronaut.jpg", photo_bytes("astronaut", "JPEG"))}
+    answers = {}
+    for providers in ("CUDAExecutionProvider", "CPUExecutionProvider"):
+        with running_service(providers=json.dumps([providers])) as url:
+            models = {m["name"]: m for m in httpx.get(f"{url}/models").json()["models"]}
+            assert models["expression-fer2013"]["provider"] == providers
+            (face,) = httpx.post(f"{url}/expression", files=photo, timeout=60).json()["faces"]
+            answers[providers] = face
+    cuda, cpu = answers.values()
+    assert cuda["expression"] == cpu["expression"] == "happiness" and cuda["box"] == cpu["box"]
+    np.testing.assert_allclose(list(cuda["probabilities"].values()), list(cpu["probabilities"].values()), atol=1e-4)

@@ -78,7 +78,7 @@ def test_the_fast_preprocessing_stays_within_its_tolerance_of_the_reference(name
     np.testing.assert_array_equal(model_input(square, policy), np.asarray(resize_and_crop(square, policy)))
 
 
-@pytest.mark.parametrize("name", ["shapes-vit", "shapes-deit", "shapes-swin", "expression-vit"])
+@pytest.mark.parametrize("name", ["shapes-vit", "shapes-deit", "shapes-swin", "expression-vit", "expression-fer2013"])
 def test_normalising_in_the_graph_gives_the_answers_of_normalising_on_the_cpu(name):
     """The service sends uint8 pixels; before, it sent (x / 255 - mean) / std computed on the CPU. Same answers."""
     policy = read_entry(REPO / name).policy

@@ -1,20 +1,34 @@
 """The trainer, for a few steps on a tiny synthetic dataset (the real demo runs are in models/demo)."""
 import json
 
+import numpy as np
 import pytest
 import torch
+from face_scenes import astronaut_face
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
+from service_process import ROOT
 
 import models
+from models.mini_xception import PRETRAINED
 from models.synthetic import __main__ as synthetic
-from models.train import main
+from models.train import load_teacher, main
+
+CNN = ROOT / "model_repository" / "expression-fer2013"
 
 
 @pytest.fixture(scope="module")
 def shapes_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("shapes")
     synthetic.main(["shapes", "--out", str(root), "--train", "24", "--val", "12", "--workers", "1"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def faces_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faces")
+    synthetic.main(["faces", "--out", str(root), "--train", "14", "--val", "7", "--workers", "1"])
     return root
 
 
@@ -54,6 +68,30 @@ def test_hard_distillation_from_a_teacher(shapes_dir, tmp_path):
     assert (tmp_path / "student" / "model.safetensors").is_file()
     with pytest.raises(SystemExit, match="needs a distilled student"):
         run(shapes_dir, tmp_path / "not-distilled", "--teacher", str(tmp_path / "teacher" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("teacher", [CNN, PRETRAINED], ids=["exported", "weights"])
+def test_the_expression_cnn_teaches_a_deit_student(faces_dir, tmp_path, teacher):
+    main(["deit_micro_distilled_patch16_fer_112", "--data", str(faces_dir), "--out", str(tmp_path), "--teacher",
+          str(teacher), "--batch-size", "8", "--workers", "0", "--epochs", "1", "--max-steps", "1"])
+    assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_the_expression_cnn_fine_tunes_from_its_weights(faces_dir, tmp_path):
+    main(["mini_xception_fer2013_64", "--data", str(faces_dir), "--out", str(tmp_path),
+          "--weights", str(PRETRAINED), "--batch-size", "8", "--workers", "0", "--epochs", "1", "--max-steps", "1"])
+    models.load_weights(models.create_model("mini_xception_fer2013_64"), tmp_path / "model.safetensors")
+
+
+def test_the_cnn_teachers_labels_come_in_the_students_order_whether_exported_or_weights(shapes_dir):
+    """Her smiling face, at the student's 112 pixels: happiness, named in a student order unlike the teacher's."""
+    order = ["neutral", "sadness", "happiness", "surprise", "anger", "disgust", "fear"]
+    face = np.asarray(astronaut_face().resize((112, 112), Image.BICUBIC), np.float32) / 255
+    x = torch.from_numpy(face).permute(2, 0, 1)[None].repeat(2, 1, 1, 1)
+    exported, weights = (load_teacher(t, None, order)(x) for t in (CNN, PRETRAINED))
+    assert torch.equal(exported, weights) and [order[i] for i in exported] == ["happiness"] * 2
+    with pytest.raises(SystemExit, match="the teacher .* knows anger, disgust"):
+        main(["deit_micro_distilled_patch8_96", "--data", str(shapes_dir), "--teacher", str(CNN)])
 
 
 def test_bad_data_fails_before_any_work(tmp_path):

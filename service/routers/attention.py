@@ -45,7 +45,7 @@ class MapOptions:
 
 async def render(pipeline: Pipeline, record: AttentionRecord, options: MapOptions, extra: dict | None = None,
                  headers: dict[str, str] | None = None) -> Response:
-    attention, policy = pipeline.entry.manifest["attention"], pipeline.policy
+    attention, policy = pipeline.entry.attention, pipeline.policy
     if options.method == "rollout":
         maps.check_rollout(attention)  # before running the explain graph
         layers = await pipeline.backend.explain(pipeline.key, record.image)
@@ -105,7 +105,7 @@ async def attention_map_for_image(
     options: MapOptions = Depends(),
 ) -> Response:
     pipelines: Pipelines = request.app.state.pipelines
-    pipelines.get(model)  # an unknown or unready model fails before the body is read
+    pipelines.get(model).check_attention()  # an unknown, unready or CNN model fails before the body is read
     ((_, data),) = await read_images(request, ("file",), 1)
     pipeline = pipelines.get(model)  # routed once the body is in (Pipelines.get)
     out = await pipeline.images([data], top_k=1, keep=True)

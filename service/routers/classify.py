@@ -38,7 +38,9 @@ async def classify(
 ) -> Response:
     start = time.perf_counter()
     pipelines: Pipelines = request.app.state.pipelines
-    pipelines.get(model)  # an unknown or unready model fails before the body is read
+    chosen = pipelines.get(model)  # an unknown or unready model fails before the body is read
+    if attention:
+        chosen.check_attention()
     uploads = await read_images(request, ("file", "files"), pipelines.settings.max_files)
     pipeline = pipelines.get(model)  # routed once the body is in (Pipelines.get)
     out = await pipeline.images([data for _, data in uploads], top_k, keep=attention)

@@ -25,15 +25,19 @@ router = APIRouter(tags=["inference"])
 )
 async def expression(
     request: Request,
-    model: str | None = Query(None, description="an expression model (default: the first in the repository)"),
+    model: str | None = Query(None, description="an expression model (default: VITSERVE_DEFAULT_EXPRESSION_MODEL, "
+                                                "else the first by name: expression-fer2013 of the embedded ones)"),
     detect: bool = Query(True, description="find faces; false: the image is already one aligned face crop"),
     max_faces: int | None = Query(None, ge=1, le=100, description="at most this many faces, largest first"),
-    attention: bool = Query(False, description="keep each face's attention map for GET /attention-map"),
+    attention: bool = Query(False, description="keep each face's attention map for GET /attention-map (a "
+                                               "transformer's: 400 for a CNN such as expression-fer2013)"),
 ) -> Response:
     start = time.perf_counter()
     pipelines: Pipelines = request.app.state.pipelines
     settings = pipelines.settings
-    pipelines.get(model, task="expression")  # an unknown or unready model fails before the body is read
+    chosen = pipelines.get(model, task="expression")  # an unknown or unready model fails before the body is read
+    if attention:
+        chosen.check_attention()
     ((_, data),) = await read_images(request, ("file",), 1)
     detector = DetectorSettings(settings.face_min_size, max_faces or settings.face_max, settings.face_detect_side)
     pipeline = pipelines.get(model, task="expression")  # routed once the body is in (Pipelines.get)

@@ -17,7 +17,7 @@ def model_info(pipeline: Pipeline, status: ModelStatus) -> ModelInfo:
         input_size=m["input"]["size"], preprocessing=pipeline.entry.preprocessing,
         precision=status.precision or m["precision"], provider=status.provider,
         graph=status.graph, decode=status.decode, decode_reason=status.decode_reason, ready=status.ready,
-        error=status.error, attention=m["attention"], explain=pipeline.entry.has("explain"), parity=m["parity"])
+        error=status.error, attention=pipeline.entry.attention, explain=pipeline.entry.has("explain"), parity=m["parity"])
 
 
 @router.get("/models", response_model=ModelsResponse, summary="The served models")
@@ -25,6 +25,7 @@ async def list_models(request: Request) -> ModelsResponse:
     pipelines: Pipelines = request.app.state.pipelines
     status = pipelines.backend.status()
     return ModelsResponse(default_model=pipelines.default_model,
+                          default_expression_model=pipelines.default_expression_model,
                           models=[model_info(p, status[name]) for name, p in pipelines.served().items()],
                           not_served=pipelines.backend.problems, face_detector=face_detector_info(pipelines))
 
