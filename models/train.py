@@ -26,9 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -36,6 +34,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
+
+from repository import RepositoryError, graph_inputs, read_entry
 
 from .augment import augment
 from .data import DataError, ImageFolder, find_splits, normalise
@@ -140,20 +140,17 @@ def _exported_teacher(folder: Path, labels: list[str]) -> Callable[[torch.Tensor
     """A model repository folder's graph as a teacher, fed its float `pixel_values` input."""
     import onnxruntime as ort  # only an exported teacher needs it
 
-    manifest_path = folder / "manifest.json"
-    if not manifest_path.is_file():
-        raise DataError(f"{folder} has no manifest.json: not an exported model (python -m export writes one)")
-    manifest = json.loads(manifest_path.read_text())
-    session = ort.InferenceSession(str(folder / manifest["files"]["model"]["path"]),
-                                   providers=["CPUExecutionProvider"])
-    spec = manifest["input"]
-    (size, _), empty = spec["size"], np.zeros((0, *spec["size"], 3), np.uint8)
-    order = _in_student_order(manifest["labels"], labels, folder)
+    try:
+        entry = read_entry(folder)
+    except (RepositoryError, OSError) as e:
+        raise DataError(f"{folder} is not an exported model (python -m export writes one): {e}") from None
+    session = ort.InferenceSession(str(entry.path()), providers=["CPUExecutionProvider"])
+    names, (size, _) = (entry.manifest["input"]["name"], entry.manifest["tensor_input"]["name"]), entry.policy.size
+    order = _in_student_order(entry.labels, labels, folder)
 
     def targets(x: torch.Tensor) -> torch.Tensor:
-        pixels = normalise(_resized(x, size), SimpleNamespace(mean=spec["mean"], std=spec["std"]))
-        logits = session.run(["logits"], {spec["name"]: empty, manifest["tensor_input"]["name"]: pixels.numpy()})[0]
-        return order[torch.from_numpy(logits).argmax(dim=1)]
+        pixels = normalise(_resized(x, size), entry.policy).numpy()
+        return order[torch.from_numpy(session.run(["logits"], graph_inputs(pixels, names))[0]).argmax(dim=1)]
 
     return targets
 
