@@ -2,6 +2,7 @@
 (other settings: VITSERVE_* variables)."""
 import argparse
 import logging
+import os
 import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -11,6 +12,7 @@ import uvicorn
 
 from repository import RepositoryError, servable
 
+from .backends.device_health import BROKEN_EXIT_STATUS
 from .http_server import server_options
 from .runtime import CUDA, choose_device
 from .settings import Settings
@@ -47,11 +49,17 @@ def main(argv: list[str] | None = None) -> None:
             servable(settings.model_repository)  # a broken repository fails before any process starts
             sys.exit(serve(settings, args.log_level))
         from .app import create_app
-        app = create_app(settings)
+        from .backends.local import LocalBackend
+        from .metrics import Metrics
+        # a device that fails every batch: the server drains (as on SIGTERM) and exits BROKEN_EXIT_STATUS, for
+        # the orchestrator to start another process
+        metrics = Metrics()
+        backend = LocalBackend(settings, metrics, on_broken=lambda why: os.kill(os.getpid(), signal.SIGTERM))
+        app = create_app(settings, backend, metrics=metrics)
     except RepositoryError as e:
         raise SystemExit(f"error: {e}") from None
     # uvicorn raises the SIGTERM it drained on again once done: a drain that finished is a clean exit
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0 if backend.health.broken is None else BROKEN_EXIT_STATUS))
     uvicorn.run(app, host=args.host, port=args.port, **server_options(settings, args.log_level))
 
 

@@ -105,14 +105,17 @@ class Batcher:
         if (self._one_at_a_time is None or self._waiting or self._gathering or self._running or self._preparing > 1
                 or self.elsewhere() or not self._one_at_a_time.acquire(blocking=False)):
             return False
+        part = Part(records, slice(0, len(records)), top_k)
         try:
-            elapsed = self.run([Part(records, slice(0, len(records)), top_k)], [0.0])
+            elapsed = self.run([part], [0.0])
         except Exception as e:
             raise self._failed(e, len(records)) from None
         finally:
             self._one_at_a_time.release()
             self.finished += 1
         self._observe_batch(len(records), elapsed)
+        if part.errors:  # an image that failed alone fails its request, as Entry's errors do
+            raise next(iter(part.errors.values()))
         return True
 
     def _run_batch(self, parts: list[Part], waits: list[float]) -> float:
@@ -122,6 +125,8 @@ class Batcher:
             return self.run(parts, waits)
 
     def _failed(self, error: Exception, images: int) -> ServiceError:
+        if isinstance(error, ServiceError):  # the backend's own answer (its device broken): as it is
+            return error
         log.exception("%s: a batch of %d images failed", self.name, images)
         return ServiceError(f"inference failed on this request's batch: {type(error).__name__}: {error}",
                             "inference_failed")

@@ -10,7 +10,8 @@ stream as ModelInfer would, in the order they finish.
 Errors are status codes, as Triton's: INVALID_ARGUMENT for a bad tensor, NOT_FOUND for an unknown model,
 UNAVAILABLE (trailing metadata `retry-after`, seconds) when overloaded or loading, RESOURCE_EXHAUSTED for more
 images than a queue holds, UNAUTHENTICATED without the API key (metadata `x-api-key`) where one is set,
-PERMISSION_DENIED for a load or unload without VITSERVE_MODEL_CONTROL=explicit.
+PERMISSION_DENIED for a load or unload without VITSERVE_MODEL_CONTROL=explicit, and for system shared memory (its
+RPCs, or a request that names a region) where the client may not use it (open_inference.shared_memory_refusal).
 """
 import asyncio
 import functools
@@ -18,6 +19,7 @@ import hmac
 import logging
 import time
 from importlib.metadata import version
+from urllib.parse import unquote
 
 import grpc
 import numpy as np
@@ -25,8 +27,8 @@ from google.protobuf import json_format
 
 from .errors import BadInput, Forbidden, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
 from .metrics import Metrics
-from .open_inference import (check_load_parameters, extensions, find_model, model_config, model_inputs,
-                             model_outputs, repository_index, require_model_control, served_metadata,
+from .open_inference import (check_load_parameters, check_shared_tensors, extensions, find_model, model_config,
+                             model_inputs, model_outputs, repository_index, require_model_control, served_metadata,
                              regions_backend, shared_outputs)
 from .pipeline import Pipelines
 from .protocol import open_inference_pb2 as pb
@@ -135,7 +137,7 @@ class InferenceService:
     @rpc
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="vitserve", version=version("vitserve"),
-                                         extensions=extensions(self.pipelines.settings))
+                                         extensions=extensions(self.pipelines.settings, peer_host(context.peer())))
 
     @rpc
     async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
@@ -163,21 +165,21 @@ class InferenceService:
     @rpc
     async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest, context
                                          ) -> pb.SystemSharedMemoryRegisterResponse:
-        await regions_backend(self.pipelines).register_region(request.name, request.key, request.offset,
-                                                              request.byte_size)
+        await regions_backend(self.pipelines, peer_host(context.peer())).register_region(
+            request.name, request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     @rpc
     async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest, context
                                        ) -> pb.SystemSharedMemoryStatusResponse:
-        regions = await regions_backend(self.pipelines).region_status(request.name)
+        regions = await regions_backend(self.pipelines, peer_host(context.peer())).region_status(request.name)
         return pb.SystemSharedMemoryStatusResponse(
             regions={r["name"]: pb.SystemSharedMemoryStatusResponse.RegionStatus(**r) for r in regions})
 
     @rpc
     async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest, context
                                            ) -> pb.SystemSharedMemoryUnregisterResponse:
-        await regions_backend(self.pipelines).unregister_region(request.name)
+        await regions_backend(self.pipelines, peer_host(context.peer())).unregister_region(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     # CUDA shared memory is not offered: nothing registers, so there is nothing to list or unregister
@@ -200,7 +202,7 @@ class InferenceService:
 
     @rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
-        return await self.infer(request)
+        return await self.infer(request, peer_host(context.peer()))
 
     @rpc
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context) -> pb.RepositoryIndexResponse:
@@ -231,11 +233,12 @@ class InferenceService:
         except Unauthenticated as e:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, e.message)
         answers: asyncio.Queue = asyncio.Queue()
+        host = peer_host(context.peer())
 
         async def answer(request: pb.ModelInferRequest) -> None:
             start, code = time.perf_counter(), grpc.StatusCode.OK
             try:
-                await answers.put(pb.ModelStreamInferResponse(infer_response=await self.infer(request)))
+                await answers.put(pb.ModelStreamInferResponse(infer_response=await self.infer(request, host)))
             except Exception as e:  # the client's mistake or the server's fault: said, and the stream goes on
                 code, message = failure(e, "ModelStreamInfer")
                 await answers.put(pb.ModelStreamInferResponse(error_message=message,
@@ -256,7 +259,8 @@ class InferenceService:
         finally:
             reader.cancel()
 
-    async def infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def infer(self, request: pb.ModelInferRequest, host: str | None) -> pb.ModelInferResponse:
+        """ModelInfer's answer to a client (its address, as peer_host gives it)."""
         pipeline = self.pipelines.get(request.model_name, version=request.model_version)
         places = [requested_slice(parameters(t.parameters), f"input {t.name!r}") for t in request.inputs]
         sent = [i for i, place in enumerate(places) if place is None]  # the inputs whose values travel here
@@ -269,6 +273,7 @@ class InferenceService:
             request.inputs[i], raw.get(i), dtype))
         shared = shared_outputs(pipeline, {o.name: requested_slice(parameters(o.parameters), f"output {o.name!r}")
                                            for o in request.outputs})
+        check_shared_tensors(self.pipelines, host, (images, pixels), shared)
         out = await pipeline.tensors(images, pixels, shared)
         outputs = model_outputs(pipeline, out.fields, [o.name for o in request.outputs])
         response = pb.ModelInferResponse(model_name=pipeline.name, model_version=str(pipeline.entry.version),
@@ -278,6 +283,17 @@ class InferenceService:
             # one written to shared memory has no data here: an empty raw content keeps the others' places
             response.raw_output_contents.append(b"" if name in shared else value.tobytes())
         return response
+
+
+def peer_host(peer: str) -> str | None:
+    """The address in a gRPC peer ("ipv4:127.0.0.1:5555", "ipv6:%5B::1%5D:5555"); None for a Unix socket
+    ("unix:..."); a peer of another kind as it is (no IP address, so not local)."""
+    kind, _, where = peer.partition(":")
+    if kind.startswith("unix"):  # unix: and unix-abstract:
+        return None
+    if kind in ("ipv4", "ipv6"):
+        return unquote(where).rpartition(":")[0].strip("[]")
+    return peer
 
 
 def parameters(given) -> dict:

@@ -26,15 +26,16 @@ from .pipeline import Pipeline, Pipelines
 from .records import output_names
 from .runtime import CUDA, batches_in_flight
 from .settings import Settings
-from .shared_memory import SharedTensor, Slice
+from .shared_memory import SharedTensor, Slice, local_client
 
 DATATYPES = {"FP32": np.dtype("<f4"), "UINT8": np.dtype("u1")}
 
 
-def extensions(settings: Settings) -> list[str]:
-    """The extensions of the protocol this server speaks, by Triton's names (server metadata, REST and gRPC)."""
+def extensions(settings: Settings, host: str | None) -> list[str]:
+    """The extensions of the protocol this server speaks to a client (its address; None: a Unix-socket peer), by
+    Triton's names (server metadata, REST and gRPC): system shared memory where that client may use it."""
     return ["binary_tensor_data", "model_repository", "model_configuration", "statistics",
-            *(["system_shared_memory"] if settings.shared_memory else [])]
+            *(["system_shared_memory"] if shared_memory_refusal(settings.shared_memory, host) is None else [])]
 
 
 def find_model(pipelines: Pipelines, name: str, version: str | None) -> Pipeline:
@@ -195,12 +196,33 @@ async def repository_index(pipelines: Pipelines, ready_only: bool) -> list[dict]
     return [row for row in rows if row["state"] == "READY" or not ready_only]
 
 
-def regions_backend(pipelines: Pipelines):
-    """The backend, which keeps the shared-memory regions, where the extension is on (Forbidden else)."""
-    if not pipelines.settings.shared_memory:
-        raise Forbidden("the system shared-memory extension is off on this server (VITSERVE_SHARED_MEMORY=false)",
-                        "shared_memory_off")
+def shared_memory_refusal(mode: str, host: str | None) -> Forbidden | None:
+    """Why a client (its address; None: a Unix-socket peer) may not use system shared memory under
+    VITSERVE_SHARED_MEMORY=`mode`, or None where it may. A region is a file of this host that the server reads and
+    writes for the client, so by default only a client on this host may name one."""
+    if mode == "false":
+        return Forbidden("the system shared-memory extension is off on this server (VITSERVE_SHARED_MEMORY=false)",
+                         "shared_memory_off")
+    if mode == "local" and not local_client(host):
+        return Forbidden(f"system shared memory is only for clients on this server's host (loopback or a Unix "
+                         f"socket), not {host} (VITSERVE_SHARED_MEMORY=local; =any lets every client use it)",
+                         "shared_memory_not_local")
+    return None
+
+
+def regions_backend(pipelines: Pipelines, host: str | None):
+    """The backend, which keeps the shared-memory regions, for a client that may use them (Forbidden else)."""
+    if (refusal := shared_memory_refusal(pipelines.settings.shared_memory, host)) is not None:
+        raise refusal
     return pipelines.backend
+
+
+def check_shared_tensors(pipelines: Pipelines, host: str | None, inputs: tuple[Batch, Batch],
+                         outputs: dict[str, Slice]) -> None:
+    """A request whose tensors name a region is the regions' routes' to refuse (Forbidden): else a client refused
+    them could have the server read or write a region that a client on this host registered."""
+    if outputs or any(isinstance(x, SharedTensor) for x in inputs):
+        regions_backend(pipelines, host)
 
 
 def require_model_control(pipelines: Pipelines) -> None:

@@ -2,7 +2,7 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EMBEDDED_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
@@ -54,6 +54,13 @@ class Settings(BaseSettings):
                                        "within INFERENCE_CRASH_WINDOW_S: then the service exits 1, for its "
                                        "orchestrator to see")
     inference_crash_window_s: float = Field(600.0, gt=0, description="the window INFERENCE_MAX_CRASHES counts in")
+    device_broken_batches: int = Field(3, ge=0, description="batches of which no image ran, in a row, that make "
+                                       "the device broken (a poisoned CUDA context fails every one): the process "
+                                       "backend's inference process then exits and is started again, the thread "
+                                       "backend turns unready and exits 75; 0: never")
+    device_broken_s: float = Field(2.0, ge=0, description="and at least this long from the first of them to the "
+                                                         "last, so that the batches in flight at one moment of "
+                                                         "trouble are not enough")
     access_log: bool = Field(True, description="a line per request (uvicorn's access log, at log level info); "
                                                "off for the last bit of throughput")
     api_key: SecretStr | None = Field(None, description="if set, every route but health, metrics and the docs needs "
@@ -65,10 +72,23 @@ class Settings(BaseSettings):
                                                             "tensors travel in binary (the binary tensor extension)")
     max_image_pixels: int = Field(50_000_000, ge=1, description="decoded image size limit (decompression bombs)")
     max_files: int = Field(64, ge=1, description="images per /classify request")
-    shared_memory: bool = Field(True, description="Triton's system shared-memory extension: clients on this host "
-                                                  "register regions of /dev/shm files and pass /v2 tensors through "
-                                                  "them; a client can have the server map any /dev/shm file its "
-                                                  "user may read and write (docs/api.md)")
+    shared_memory: Literal["local", "any", "false"] = Field(
+        "local", description="Triton's system shared-memory extension: clients register regions of /dev/shm files "
+                             "and pass /v2 tensors through them, and a client can have the server map any /dev/shm "
+                             "file its user may read and write (docs/api.md). local: only clients on loopback or a "
+                             "Unix socket; any: every client that reaches the port (a sidecar behind a bridge "
+                             "network); false: off, its routes answer 403. true, from before local and any, is "
+                             "local")
+
+    @field_validator("shared_memory", mode="before")
+    @classmethod
+    def _shared_memory_was_a_bool(cls, value: object) -> object:
+        """The setting was a bool: on reads as local, the safe meaning (a client that is not on this host has no
+        use for it), off as false."""
+        word = str(value).lower()
+        return {"true": "local", "1": "local", "yes": "local", "on": "local",
+                "0": "false", "no": "false", "off": "false"}.get(word, word)
+
     providers: list[str] | None = Field(None, description="ONNX Runtime providers to try, best first "
                                                           "(default: CUDA if it starts here, then CPU)")
     cuda_tf32: bool = Field(False, description="fp32 graphs on CUDA may use TF32 tensor cores: faster matrix "

@@ -9,8 +9,11 @@ The regions are the backend's (Regions, in the process that runs the batches). A
 names no regular file right in /dev/shm (no other folder, no symbolic link: the server would read and write
 wherever it points), the file is too small for its offset and size, its name is taken, or it is unregistered while
 a request uses it. A client can have the server map any file of /dev/shm that the server's user may read and write:
-the routes are guarded by the API key as /infer is, and VITSERVE_SHARED_MEMORY=false turns them off.
+so by default only clients on this host may register, list or unregister regions, or name one in a request
+(VITSERVE_SHARED_MEMORY=local: `local_client`; any: every client; false: none), and the API key guards them as it
+guards /infer.
 """
+import ipaddress
 import mmap
 import os
 import stat
@@ -25,6 +28,19 @@ from .errors import BadInput
 SHM = Path("/dev/shm")
 NO_CUDA_SHARED_MEMORY = ("CUDA shared memory is not offered by this server: send tensors in the body or in system "
                          "shared memory (/v2/systemsharedmemory)")
+
+
+def local_client(host: str | None) -> bool:
+    """Whether a client is on this host: its address loopback (127.0.0.0/8, ::1, ::ffff:127.x), or it has none
+    (None: a Unix-socket peer, the one kind uvicorn and gRPC give no address for)."""
+    if host is None:
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # not an IP address: nothing says it is local
+        return False
+    # an IPv4 client of a dual-stack socket comes as ::ffff:127.0.0.1, which Python 3.11 calls no loopback
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
 def no_cuda_region(name: str) -> BadInput:

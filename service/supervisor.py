@@ -4,13 +4,14 @@ The supervisor makes a private runtime folder (in /dev/shm where it can: the wor
 process's socket and heartbeat, prometheus-client's multiprocess files), starts the inference process, binds the
 port (one listening socket per worker on Linux, which spreads connections over them; elsewhere one that all share)
 and starts the workers. A worker that dies is replaced. So is the inference process, in place, after a backoff:
-when it dies (a CUDA error that poisons its context, an out-of-memory kill, a segfault in a provider), and when its
-heartbeat says it has made no progress for VITSERVE_INFERENCE_KILL_AFTER_S (a wedged kernel, a deadlock), when it
-is killed first. The workers stay up meanwhile, answer 503 (`inference_restarting`) and join the new one. The
-crash number VITSERVE_INFERENCE_MAX_CRASHES within VITSERVE_INFERENCE_CRASH_WINDOW_S stops the service instead,
-with exit status 1: a fault that keeps coming back is for the orchestrator (or a person) to see. SIGTERM or Ctrl-C
-drains: the workers stop accepting and finish every request they accepted, then the inference process, which by
-then has nothing queued, stops.
+when it dies (an out-of-memory kill, a segfault in a provider), when it exits because its device failed every
+batch (a CUDA error that poisons its context: backends/device_health.py), and when its heartbeat says it has
+made no progress for VITSERVE_INFERENCE_KILL_AFTER_S (a wedged kernel, a deadlock), when it is killed first. The
+workers stay up meanwhile, answer 503 (`inference_restarting`) and join the new one. The crash number
+VITSERVE_INFERENCE_MAX_CRASHES within VITSERVE_INFERENCE_CRASH_WINDOW_S stops the service instead, with exit status
+1: a fault that keeps coming back is for the orchestrator (or a person) to see. SIGTERM or Ctrl-C drains: the
+workers stop accepting and finish every request they accepted, then the inference process, which by then has
+nothing queued, stops.
 """
 import logging
 import multiprocessing
@@ -30,6 +31,7 @@ from prometheus_client import values as prometheus_values
 
 from .app import create_app
 from .backends import server
+from .backends.device_health import BROKEN_EXIT_STATUS
 from .backends.heartbeat import HEARTBEAT, Heartbeat
 from .backends.process import ProcessBackend
 from .http_server import server_options
@@ -167,13 +169,14 @@ def serve(settings: Settings, log_level: str = "info") -> int:
             time.sleep(0.2)
             if restart_at is None and not inference.is_alive():
                 multiprocess.mark_process_dead(inference.pid)
+                exited = f"exited with {inference.exitcode}" + (
+                    " (its device failed every batch)" if inference.exitcode == BROKEN_EXIT_STATUS else "")
                 if not crashes.crashed(time.monotonic()):
-                    log.error("the inference process exited with %s, its crash number %d within %gs; stopping",
-                              inference.exitcode, crashes.most, crashes.window_s)
+                    log.error("the inference process %s, its crash number %d within %gs; stopping", exited,
+                              crashes.most, crashes.window_s)
                     status = 1
                     break
-                log.error("the inference process exited with %s; starting another in %gs", inference.exitcode,
-                          crashes.backoff_s())
+                log.error("the inference process %s; starting another in %gs", exited, crashes.backoff_s())
                 restart_at = time.monotonic() + crashes.backoff_s()
             elif restart_at is not None and time.monotonic() >= restart_at:
                 inference, restart_at = start_inference(), None

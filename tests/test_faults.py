@@ -14,14 +14,15 @@ import time
 from pathlib import Path
 
 import httpx
-import onnx
 import pytest
-from onnx import TensorProto, helper
+from fault_graphs import fragile, stalling
 from prometheus_client.parser import text_string_to_metric_families
 from service_process import (ROOT, direct_probabilities, leave_mid_request, metric, photo_bytes, process_metrics,
                              running_service, service_and_process)
 
 from repository import sha256
+from service.backends.heartbeat import HEARTBEAT, Heartbeat
+from service.supervisor import Crashes
 
 JPEG = photo_bytes("chelsea", "JPEG")
 DARK, BRIGHT = photo_bytes("coffee", "JPEG"), photo_bytes("astronaut", "JPEG")  # top-left pixel 40 / 177 as input
@@ -46,32 +47,6 @@ def url(tmp_path_factory):
     (repo / ".cache").mkdir()  # a hidden one: not a candidate
     with running_service(model_repository=repo, warmup_runs=0, max_queue_delay_ms=200) as base:
         yield base
-
-
-def fragile(source: Path, target: Path) -> None:
-    """A copy of a model whose graph fails at run time on a batch holding an image whose top-left input pixel is
-    128 or brighter: that pixel indexes a 128-entry table (Gather out of bounds), and adds 0 to the logits."""
-    shutil.copytree(source, target)
-    graph = onnx.load(target / "model.onnx")
-    for node in graph.graph.node:
-        node.output[:] = ["logits_before" if o == "logits" else o for o in node.output]
-    graph.graph.initializer.extend([
-        helper.make_tensor("table", TensorProto.FLOAT, [128], [0.0] * 128),
-        helper.make_tensor("zeros4", TensorProto.INT64, [4], [0, 0, 0, 0]),
-        helper.make_tensor("ones3", TensorProto.INT64, [4], [2**62, 1, 1, 1]),
-        helper.make_tensor("column", TensorProto.INT64, [2], [-1, 1])])
-    graph.graph.node.extend([
-        helper.make_node("Slice", ["images", "zeros4", "ones3"], ["corner"]),
-        helper.make_node("Cast", ["corner"], ["index"], to=TensorProto.INT64),
-        helper.make_node("Reshape", ["index", "column"], ["indices"]),
-        helper.make_node("Gather", ["table", "indices"], ["nothing"]),
-        helper.make_node("Add", ["logits_before", "nothing"], ["logits"])])
-    onnx.save(graph, target / "model.onnx")
-    manifest = json.loads((target / "manifest.json").read_text())
-    manifest["name"] = target.name
-    graph_file = target / "model.onnx"
-    manifest["files"]["model"].update(sha256=sha256(graph_file), bytes=graph_file.stat().st_size)
-    (target / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_failed_models_are_listed_with_why_and_the_others_serve(url):
@@ -161,10 +136,10 @@ def new_pid(supervisor: int, role: str, old: int, timeout_s: float = WARM_UP_S) 
 
 class Load:
     """Clients posting /classify in a loop, each on its own kept-alive connection, until stopped: every answer's
-    time, status (or the transport error's name) and error code."""
+    time, status (or the transport error's name), error code and Retry-After. `image` is what they send next."""
 
-    def __init__(self, url: str, clients: int = 6, timeout_s: float = 60):
-        self.url, self.timeout_s, self.answers, self.running = url, timeout_s, [], True
+    def __init__(self, url: str, clients: int = 6, timeout_s: float = 60, image: bytes = JPEG):
+        self.url, self.timeout_s, self.answers, self.running, self.image = url, timeout_s, [], True, image
         self.threads = [threading.Thread(target=self._client) for _ in range(clients)]
         for thread in self.threads:
             thread.start()
@@ -174,7 +149,7 @@ class Load:
             while self.running:
                 start = time.monotonic()
                 try:
-                    r = client.post(f"{self.url}/classify", files={"file": ("a.jpg", JPEG)})
+                    r = client.post(f"{self.url}/classify", files={"file": ("a.jpg", self.image)})
                     got = (r.status_code, r.json()["error"]["code"] if r.status_code != 200 else None,
                            r.headers.get("retry-after"))
                 except httpx.TransportError as e:
@@ -185,6 +160,15 @@ class Load:
 
     def since(self, moment: float) -> list[tuple]:
         return [a for a in self.answers if a[0] >= moment]
+
+    def first(self, code: str, timeout_s: float) -> float:
+        """When the first answer with this error code came."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if found := [a[0] + a[1] for a in self.answers if a[3] == code]:
+                return min(found)
+            time.sleep(0.05)
+        raise AssertionError(f"no {code} within {timeout_s}s: {self.answers[-5:]}")
 
     def first_200_after(self, moment: float, timeout_s: float) -> float:
         deadline = time.monotonic() + timeout_s
@@ -219,6 +203,7 @@ def supervised(small_repo):
 def test_a_killed_inference_process_is_replaced_in_place_and_requests_get_503_meanwhile(supervised):
     url, supervisor = supervised
     (inference,) = role_pids(supervisor, "vitserve-infer")
+    workers, restarts = set(role_pids(supervisor, "vitserve-http")), restart_count(url)
     load = Load(url)
     try:
         load.first_200_after(time.monotonic(), 30)
@@ -239,14 +224,15 @@ def test_a_killed_inference_process_is_replaced_in_place_and_requests_get_503_me
     assert "inference_restarting" in {code for *_, code, _ in failed}
     assert 503 in readiness and back < WARM_UP_S
     assert httpx.get(f"{url}/health/ready", timeout=10).status_code == 200
-    assert new_pid(supervisor, "vitserve-infer", inference) != inference
-    assert metric(httpx.get(f"{url}/metrics").text, "vitserve_inference_restarts_total") == 1
-    assert len(role_pids(supervisor, "vitserve-http")) == 2  # the workers were never restarted
+    assert role_pids(supervisor, "vitserve-infer") == [new_pid(supervisor, "vitserve-infer", inference)]
+    assert restart_count(url) == restarts + 1
+    assert set(role_pids(supervisor, "vitserve-http")) == workers  # the same workers: never restarted
 
 
 def test_a_hung_inference_process_is_unready_then_replaced(supervised):
     url, supervisor = supervised
     (inference,) = role_pids(supervisor, "vitserve-infer")
+    restarts = restart_count(url)
     os.kill(inference, signal.SIGSTOP)  # as a wedged GPU would look: nothing answers, nothing ends
     try:
         stopped = time.monotonic()
@@ -266,7 +252,7 @@ def test_a_hung_inference_process_is_unready_then_replaced(supervised):
     ok = httpx.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)}, timeout=30)
     assert ok.status_code == 200, ok.text
     assert role_pids(supervisor, "vitserve-infer") == [replaced]
-    assert metric(httpx.get(f"{url}/metrics").text, "vitserve_inference_restarts_total") == 2
+    assert restart_count(url) == restarts + 1
 
 
 def test_a_killed_http_worker_leaves_the_others_serving(supervised):
@@ -316,8 +302,164 @@ def test_too_many_crashes_within_the_window_stop_the_service_with_status_1(small
         assert proc.wait(30) == 1
 
 
+def restart_count(url: str) -> float:
+    return metric(httpx.get(f"{url}/metrics", timeout=10).text, "vitserve_inference_restarts_total")
+
+
 def wait_until_ready(url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while httpx.get(f"{url}/health/ready", timeout=10).status_code != 200:
         assert time.monotonic() < deadline, "not ready again"
         time.sleep(0.2)
+
+
+# -- a device that fails every batch, a batch that never ends, restarts that back off ------------------------------
+
+BROKEN = {"device_broken_batches": 3, "device_broken_s": 1}
+
+
+@pytest.fixture(scope="module")
+def fragile_repo(tmp_path_factory) -> Path:
+    """shapes-vit's graph made to fail inside ONNX Runtime on bright images, alone (the default model)."""
+    repo = tmp_path_factory.mktemp("fragile-alone")
+    fragile(ROOT / "model_repository" / "shapes-vit", repo / "fragile")
+    return repo
+
+
+def test_a_device_that_fails_every_batch_has_its_inference_process_replaced_in_place(fragile_repo):
+    """Every batch fails (bright images only, as a poisoned CUDA context fails every call): past 3 batches over
+    1 s the inference process exits, and the supervisor starts another, as for a crash. Clients see 500s, then 503
+    inference_restarting with Retry-After, never a refused connection; then, sending dark images, 200s again."""
+    with service_and_process(backend="process", workers=2, model_repository=fragile_repo, warmup_runs=0,
+                             request_timeout_s=10, **BROKEN) as (url, proc):
+        (inference,) = role_pids(proc.pid, "vitserve-infer")
+        workers, restarts = set(role_pids(proc.pid, "vitserve-http")), restart_count(url)
+        load = Load(url, clients=4, image=BRIGHT)
+        try:
+            broke = load.first("inference_restarting", 60)
+            load.image = DARK
+            load.first_200_after(broke, WARM_UP_S)
+        finally:
+            load.stop()
+        replaced = new_pid(proc.pid, "vitserve-infer", inference)
+        statuses = {status for _, _, status, *_ in load.answers}
+        assert statuses <= {200, 500, 503}, statuses  # no connection refused or reset
+        before = [a for a in load.answers if a[0] + a[1] < broke]
+        assert before and all(code == "inference_failed" for *_, code, _ in before), before[:3]
+        assert all(retry for _, _, status, _, retry in load.answers if status == 503)
+        assert role_pids(proc.pid, "vitserve-infer") == [replaced]
+        assert restart_count(url) == restarts + 1
+        assert set(role_pids(proc.pid, "vitserve-http")) == workers
+        assert proc.poll() is None
+
+
+def test_a_device_that_fails_every_batch_stops_the_thread_backend_with_status_75(fragile_repo):
+    """The thread backend has no process to replace: it turns unready (test_device_health.py shows the 503s),
+    drains and exits 75, for its orchestrator to start another."""
+    with service_and_process(backend="thread", model_repository=fragile_repo, warmup_runs=0, **BROKEN) as (url, proc):
+        load = Load(url, clients=4, image=BRIGHT)
+        try:
+            assert proc.wait(60) == 75
+        finally:
+            load.stop()
+    codes = {code for _, _, status, code, _ in load.answers if status != 200}
+    assert "inference_failed" in codes and codes <= {"inference_failed", "device_failed", None}, codes
+
+
+def test_a_batch_stuck_inside_onnx_runtime_is_unready_then_replaced(tmp_path):
+    """A batch that never ends while the inference process's event loop runs on (the heartbeat's loop beats, its
+    progress does not): unready past VITSERVE_INFERENCE_UNREADY_AFTER_S, killed and replaced past
+    VITSERVE_INFERENCE_KILL_AFTER_S; the stuck request gets 503, the next ones 200."""
+    stalling(ROOT / "model_repository" / "shapes-vit", tmp_path / "stalling")
+    with service_and_process(backend="process", workers=1, model_repository=tmp_path, warmup_runs=0,
+                             **HANG) as (url, proc):
+        (inference,) = role_pids(proc.pid, "vitserve-infer")
+        stuck = []
+        client = threading.Thread(target=lambda: stuck.append(
+            httpx.post(f"{url}/classify", files={"file": ("a.jpg", BRIGHT)}, timeout=60)))
+        client.start()
+        heartbeat = Heartbeat(runtime_folder(proc.pid) / HEARTBEAT)
+        deadline = time.monotonic() + 30
+        while (r := httpx.get(f"{url}/health/ready", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "still ready"
+            time.sleep(0.1)
+        assert r.json()["error"]["code"] == "inference_unresponsive", r.text
+        loop, progress = heartbeat.values
+        while loop - progress < HANG["inference_unready_after_s"]:  # the event loop beats on past the stuck batch
+            assert role_pids(proc.pid, "vitserve-infer") == [inference], "replaced before its loop was seen beating"
+            time.sleep(0.1)
+            loop, progress = heartbeat.values
+        new_pid(proc.pid, "vitserve-infer", inference, HANG["inference_kill_after_s"] + WARM_UP_S)
+        client.join(60)
+        assert stuck[0].status_code == 503 and stuck[0].json()["error"]["code"] == "inference_restarting"
+        wait_until_ready(url, WARM_UP_S)
+        ok = httpx.post(f"{url}/classify", files={"file": ("a.jpg", DARK)}, timeout=30)
+        assert ok.status_code == 200, ok.text
+
+
+def runtime_folder(supervisor: int) -> Path:
+    """The process backend's private runtime folder, where its workers' environment points prometheus-client."""
+    worker = role_pids(supervisor, "vitserve-http")[0]
+    environ = dict(v.split("=", 1) for v in Path(f"/proc/{worker}/environ").read_text().split("\0") if "=" in v)
+    return Path(environ["PROMETHEUS_MULTIPROC_DIR"]).parent
+
+
+def test_restart_backoff_doubles_to_30s_and_crashes_older_than_the_window_are_forgotten():
+    crashes = Crashes(most=3, window_s=10)
+    assert crashes.crashed(100.0) and crashes.backoff_s() == 1
+    assert crashes.crashed(101.0) and crashes.backoff_s() == 2
+    assert not crashes.crashed(109.0)  # the third within 10 s: stop
+    crashes = Crashes(most=3, window_s=10)
+    for moment in (100.0, 105.0):
+        assert crashes.crashed(moment)
+    assert crashes.crashed(115.5) and crashes.backoff_s() == 1  # the first two are older than the window
+    many = Crashes(most=100, window_s=1000)
+    backoffs = [(many.crashed(float(i)), many.backoff_s())[1] for i in range(8)]
+    assert backoffs == [1, 2, 4, 8, 16, 30, 30, 30]
+
+
+def test_the_supervisor_waits_the_backoff_before_a_restart_and_forgets_old_crashes(small_repo):
+    """Crash 1: restarted no sooner than 1 s after; crash 2 within the window: 2 s; crash 3 once both are older than
+    the window: the service goes on (three within the window would have stopped it)."""
+    window = 8
+    with service_and_process(backend="process", workers=1, model_repository=small_repo, warmup_runs=0,
+                             inference_max_crashes=3, inference_crash_window_s=window) as (url, proc):
+        first = role_pids(proc.pid, "vitserve-infer")[0]
+        killed = [kill(first)]
+        second = new_pid(proc.pid, "vitserve-infer", first)
+        starts = [started(second)]
+        killed.append(kill(second))
+        third = new_pid(proc.pid, "vitserve-infer", second)
+        starts.append(started(third))
+        waits = [start - moment for start, moment in zip(starts, killed)]
+        assert waits[0] >= 1 - TICK and waits[1] >= 2 - TICK, waits
+        # the supervisor counted crash 2 at least its 2 s backoff before it started the third process
+        counted = starts[1] - 2
+        assert counted - killed[0] < window  # (so crash 1 was within the window then: the test's premise)
+        time.sleep(max(0.0, counted + window + 0.5 - uptime()))
+        kill(third)
+        new_pid(proc.pid, "vitserve-infer", third)
+        wait_until_ready(url, WARM_UP_S)
+        assert proc.poll() is None
+        assert httpx.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)}, timeout=30).status_code == 200
+
+
+def kill(pid: int) -> float:
+    """SIGKILL, and when (uptime())."""
+    moment = uptime()
+    os.kill(pid, signal.SIGKILL)
+    return moment
+
+
+TICK = 0.02  # /proc's clock ticks: 10 ms, on both readings
+
+
+def uptime() -> float:
+    """Seconds since boot, on the clock /proc/PID/stat's start times count in."""
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
+def started(pid: int) -> float:
+    """When the process started, in uptime() seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")

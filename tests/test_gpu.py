@@ -1,7 +1,8 @@
 """CUDA paths: skipped where the CUDA provider cannot start (CI has no GPU); run them on a GPU host."""
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from multiprocessing import get_context
 
 import httpx
 import numpy as np
@@ -185,6 +186,37 @@ def test_the_service_decodes_jpegs_on_the_gpu_where_it_can():
         assert len({json.dumps(x["predictions"][0]["label"]) for x in r.json()["results"]}) == 1
 
 
+def test_a_graph_loaded_after_start_up_decodes_on_the_cpu_and_models_says_why(tmp_path):
+    """Only start-up sets up GPU decoders (docs/serving.md): a model loaded later through the repository API
+    serves on CUDA, decodes its JPEGs on the CPU (its answers are the CPU path's), and /models says why; the model
+    of start-up goes on decoding on the GPU. (tests/test_gpu_decode.py runs the same on a CPU host, the graphs
+    reported as CUDA and the decoder on the host.)"""
+    pytest.importorskip("cupy", reason="GPU decoding needs CuPy (the `gpu` extra)")
+    pytest.importorskip("nvidia.nvimgcodec", reason="GPU decoding needs nvImageCodec (the `gpu` extra)")
+    from service_process import direct_probabilities, write_model
+
+    write_model(tmp_path / "shapes-vit", REPO / "shapes-vit", "shapes-vit")
+    jpeg = photo_bytes("chelsea", "JPEG", quality=90)
+    with running_service(model_repository=tmp_path, gpu_decode="true", model_control="explicit") as url:
+        models = {m["name"]: m for m in httpx.get(f"{url}/models").json()["models"]}
+        assert (models["shapes-vit"]["provider"], models["shapes-vit"]["decode"]) == (CUDA, "gpu")
+        write_model(tmp_path / "shapes-deit", REPO / "shapes-deit", "shapes-deit")
+        loaded = httpx.post(f"{url}/v2/repository/models/shapes-deit/load", timeout=120)
+        assert loaded.status_code == 200, loaded.text
+        models = {m["name"]: m for m in httpx.get(f"{url}/models").json()["models"]}
+        assert (models["shapes-deit"]["provider"], models["shapes-deit"]["decode"]) == (CUDA, "cpu")
+        assert models["shapes-deit"]["decode_reason"] == ("GPU decoding is set up at start-up only, and this graph "
+                                                         "was loaded later")
+        assert (models["shapes-vit"]["decode"], models["shapes-vit"]["decode_reason"]) == ("gpu", None)
+        r = httpx.post(f"{url}/classify", files={"file": ("chelsea.jpg", jpeg)},
+                       params={"model": "shapes-deit", "top_k": 6}, timeout=60)
+        assert r.status_code == 200, r.text
+        got = {p["index"]: p["score"] for p in r.json()["results"][0]["predictions"]}
+        # the CPU path's pixels: CUDA's fp32 answers within the export gate's 1e-4 (TF32 is off by default)
+        np.testing.assert_allclose([got[i] for i in range(6)], direct_probabilities(REPO / "shapes-deit", jpeg),
+                                   atol=1e-4)
+
+
 def test_the_expression_cnn_serves_on_cuda_and_reads_the_astronauts_smile():
     """mini-Xception's convolutions (cuDNN) and TensorFlow's `same` padding (a Pad of -inf before each max pool)
     on CUDA: the CPU's probabilities within 1e-4."""
@@ -199,3 +231,55 @@ def test_the_expression_cnn_serves_on_cuda_and_reads_the_astronauts_smile():
     cuda, cpu = answers.values()
     assert cuda["expression"] == cpu["expression"] == "happiness" and cuda["box"] == cpu["box"]
     np.testing.assert_allclose(list(cuda["probabilities"].values()), list(cpu["probabilities"].values()), atol=1e-4)
+
+
+def poison_and_serve(repo: str) -> dict:
+    """In a process of its own (its CUDA context is lost for good): the thread backend on CUDA answers, then a
+    kernel writes to an invalid address, which poisons the process's CUDA context (ONNX Runtime's and CuPy's: the
+    device's primary one), and requests go on until the backend judges its device broken. What it said."""
+    import asyncio
+
+    import cupy
+
+    from service.app import create_app
+    from service.backends.local import LocalBackend
+    from service.metrics import Metrics
+    from service.settings import Settings
+
+    settings = Settings(model_repository=repo, warmup_runs=1, device_broken_batches=3, device_broken_s=1)
+    told: list[str] = []
+    backend = LocalBackend(settings, Metrics(), on_broken=told.append)
+    poison = cupy.RawKernel(r'extern "C" __global__ void poison(int* p) { *(int*)(0x10) = *p; }', "poison")
+
+    async def main() -> dict:
+        app = create_app(settings, backend, metrics=Metrics())
+        photo = {"file": ("a.jpg", photo_bytes("chelsea", "JPEG"))}
+        async with app.router.lifespan_context(app):
+            await backend.loaded()
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://vitserve") as client:
+                before, poisoned = (await client.post("/classify", files=photo)).status_code, ""
+                try:
+                    poison((1,), (1,), (cupy.zeros(1, cupy.int32),))
+                    cupy.cuda.Device().synchronize()
+                except cupy.cuda.runtime.CUDARuntimeError as e:
+                    poisoned = str(e)
+                statuses = []
+                while not told and len(statuses) < 200:
+                    statuses.append((await client.post("/classify", files=photo)).status_code)
+                    await asyncio.sleep(0.02)
+                ready = await client.get("/health/ready")
+                return {"before": before, "poisoned": poisoned, "statuses": statuses, "told": told,
+                        "ready": (ready.status_code, ready.json()["error"]["code"])}
+
+    return asyncio.run(main())
+
+
+def test_a_poisoned_cuda_context_makes_the_backend_unready_and_stop():
+    """On a real GPU: after an illegal memory access every CUDA call of the process fails; the thread backend counts
+    its failed batches, answers readiness 503 device_failed and tells its process to stop (python -m service then
+    exits 75: tests/test_faults.py)."""
+    pytest.importorskip("cupy", reason="the poisoning kernel needs CuPy (the `gpu` extra)")
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as isolated:
+        said = isolated.submit(poison_and_serve, str(REPO)).result(timeout=300)
+    assert said["before"] == 200 and "illegal" in said["poisoned"].lower(), said
+    assert said["told"] and set(said["statuses"]) <= {500, 503} and said["ready"] == (503, "device_failed"), said

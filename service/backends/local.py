@@ -20,7 +20,7 @@ from repository import ModelEntry, servable, verify_file
 from ..batching import Batcher, QueueFull
 from ..cache import AttentionCache, AttentionRecord
 from ..decode import upload_input
-from ..errors import BadInput, NotFound, overloaded
+from ..errors import BadInput, NotFound, ServiceError, Unavailable, overloaded
 from ..metrics import Metrics
 from ..records import Part, host_inputs, kind_of, record_dtype, row_numbers, spans, write_results
 from ..runtime import CPU, Plan, Runner, batches_in_flight, choose_device, cuda_blocking_sync, serving_plan
@@ -28,14 +28,19 @@ from ..settings import Settings
 from ..shared_memory import Regions, SharedIO
 from ..thread_names import name_pool_thread
 from . import ModelStatus
+from .device_health import DeviceHealth, run_isolating
 from .lifecycle import ModelLifecycle, input_names
 
 log = logging.getLogger("vitserve")
 
 
 class LocalBackend(ModelLifecycle):
-    def __init__(self, settings: Settings, metrics: Metrics, on_status: Callable[[], None] = lambda: None):
+    def __init__(self, settings: Settings, metrics: Metrics, on_status: Callable[[], None] = lambda: None,
+                 on_broken: Callable[[str], None] = lambda why: None):
+        """`on_broken`: what the process does once its device fails every batch (device_health.py), beside
+        answering 503 `device_failed` to readiness and requests from then on."""
         self.settings, self.metrics, self.on_status = settings, metrics, on_status
+        self.health = DeviceHealth(settings.device_broken_batches, settings.device_broken_s, on_broken)
         entries, self.problems = servable(settings.model_repository)  # a missing repository fails here
         for name, problem in self.problems.items():
             log.error("not serving %s: %s", name, problem)
@@ -103,14 +108,23 @@ class LocalBackend(ModelLifecycle):
         observe = self.metrics.phase_observer(graph)
 
         def run(parts: list[Part], queue_ms: list[float]) -> float:
+            if (broken := self.problem()) is not None:
+                raise broken
             start = time.perf_counter()
             runner = self.runners[graph]  # taken per batch: a reload switches it between batches
             batch = spans(parts)
-            images, tensors = host_inputs(batch, policy.size, runner.host_batch)
-            if jpegs := [p for p in parts if p.kind == "jpeg"]:
-                images = self._decode_jpegs(graph, jpegs, images)
-            gathered = time.perf_counter()
-            outputs = runner.run(images, tensors)
+            try:
+                images, tensors = host_inputs(batch, policy.size, runner.host_batch)
+                if jpegs := [p for p in parts if p.kind == "jpeg"]:
+                    images = self._decode_jpegs(graph, jpegs, images)
+                gathered = time.perf_counter()
+                outputs, failed = run_isolating(runner.run, images, tensors)
+            except Exception as e:
+                self.health.failed(e)
+                raise
+            self.health.ran()
+            fail_rows(parts, {row: ServiceError(f"inference failed on this image: {type(e).__name__}: {e}",
+                                                "inference_failed") for row, e in failed.items()})
             elapsed = time.perf_counter() - gathered
             output_ms = write_results(batch, outputs, queue_ms, elapsed * 1e3, (gathered - start) * 1e3)
             observe(sum(p.size for p in parts), (gathered - start, elapsed, output_ms / 1e3))
@@ -123,11 +137,8 @@ class LocalBackend(ModelLifecycle):
         JPEG that neither nvImageCodec nor Pillow can read fails its own request only."""
         decoder, policy = self.jpeg_decoders[graph], self.by_key[graph].policy
         jpegs = [data for part in parts for data in part.inputs]
-        owners = [(part, row) for part in parts for row in row_numbers(part.rows)]
         decoded, errors = decoder.decode(jpegs, lambda jpeg: upload_input(jpeg, policy, self.settings.max_image_pixels))
-        for i, error in errors.items():
-            part, row = owners[i]
-            part.errors[row] = error
+        fail_rows(parts, errors)
         return decoder.join(decoded, host_images)
 
     async def close(self) -> None:
@@ -144,9 +155,12 @@ class LocalBackend(ModelLifecycle):
     def status(self) -> dict[str, ModelStatus]:
         return self._status
 
-    def problem(self) -> None:
-        """Nothing keeps this process from serving while it runs."""
-        return None
+    def problem(self) -> Unavailable | None:
+        """Why nothing can be served: the device failed every batch for a while (device_health.py)."""
+        if self.health.broken is None:
+            return None
+        return Unavailable(f"{self.health.broken}; this process is stopping for a new one to serve", "device_failed",
+                           self.settings.retry_after_s)
 
     def batcher(self, model: str) -> Batcher:
         """The batcher of the graph that serves `model` (NotFound where none does)."""
@@ -229,6 +243,17 @@ class LocalBackend(ModelLifecycle):
 
     async def recall(self, key: str) -> AttentionRecord | None:
         return self.cache.get(key)
+
+
+def fail_rows(parts: list[Part], errors: dict[int, Exception]) -> None:
+    """Rows of a batch that failed alone, by their place in the batch (the parts' rows in order), fail their own
+    requests (Part.errors)."""
+    if not errors:
+        return
+    owners = [(part, row) for part in parts for row in row_numbers(part.rows)]
+    for i, error in errors.items():
+        part, row = owners[i]
+        part.errors[row] = error
 
 
 async def _at_once(generation: int) -> None:

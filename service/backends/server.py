@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import os
 import signal
 from collections.abc import Coroutine, Iterable
 from pathlib import Path
@@ -30,6 +31,7 @@ from ..settings import Settings
 from ..shared_memory import Claim, SharedIO
 from . import wire
 from .arena import BOARD_SLOTS, map_records
+from .device_health import BROKEN_EXIT_STATUS
 from .heartbeat import HEARTBEAT, PULSE_S, Heartbeat
 from .local import LocalBackend
 
@@ -55,7 +57,7 @@ class Frame:
 class InferenceServer:
     def __init__(self, settings: Settings, socket_path: Path):
         self.settings, self.socket_path = settings, socket_path
-        self.backend = LocalBackend(settings, Metrics(), on_status=self._push_status)
+        self.backend = LocalBackend(settings, Metrics(), on_status=self._push_status, on_broken=_exit_broken)
         self.backend.max_models = BOARD_SLOTS
         self._writers: set[asyncio.StreamWriter] = set()
         self._seen: dict[asyncio.StreamWriter, int] = {}  # the status generation each worker acknowledged
@@ -299,6 +301,13 @@ class InferenceServer:
             record = await backend.recall(message["key"])
             return wire.record_to_wire(record) if record is not None else ({"missing": True}, {})
         raise ServiceError(f"unknown operation {op!r}")
+
+
+def _exit_broken(why: str) -> None:
+    """A device that fails every batch is not cured in this process: it exits at once (a drain would wait on the
+    device), the workers answer 503 `inference_restarting`, and the supervisor starts another."""
+    logging.shutdown()
+    os._exit(BROKEN_EXIT_STATUS)
 
 
 def main(settings: Settings, socket_path: Path, log_level: str) -> None:

@@ -20,12 +20,13 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from ..errors import BadInput, TooLarge
-from ..open_inference import (Batch, find_model, model_config, model_inputs, model_outputs,
+from ..open_inference import (Batch, check_shared_tensors, find_model, model_config, model_inputs, model_outputs,
                               extensions, served_metadata, shared_outputs)
 from ..pipeline import Pipeline, Pipelines
 from ..shared_memory import Slice
 from ..statistics import current_statistics
 from ..thread_names import name_pool_thread
+from .shared_memory import client_host
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -241,6 +242,7 @@ async def infer_version(request: Request, name: str, version_: str | None) -> Re
         parsed = parse_request(body, length, pipeline)
     header, (images, pixels) = parsed
     shared = requested_shared(pipeline, header)
+    check_shared_tensors(_pipelines(request), client_host(request), (images, pixels), shared)
     out = await pipeline.tensors(images, pixels, shared)
     return build_response(pipeline, header, out.fields, shared)
 
@@ -248,7 +250,8 @@ async def infer_version(request: Request, name: str, version_: str | None) -> Re
 @router.get("", summary="Server metadata")
 @router.get("/", include_in_schema=False)  # the same answer, not a 307 to /v2: clients join paths with a slash
 async def server_metadata(request: Request) -> dict:
-    return {"name": "vitserve", "version": version("vitserve"), "extensions": extensions(_pipelines(request).settings)}
+    return {"name": "vitserve", "version": version("vitserve"),
+            "extensions": extensions(_pipelines(request).settings, client_host(request))}
 
 
 @router.get("/health/live", summary="200 while the server runs")

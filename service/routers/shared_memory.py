@@ -1,7 +1,8 @@
 """Triton's system shared-memory extension over REST (the regions themselves: shared_memory.py): register a region
 of a /dev/shm file under a name, see what is registered, unregister. With an API key set, these need it, as /infer
-does; VITSERVE_SHARED_MEMORY=false turns them off (403). CUDA shared memory is not offered: its status lists nothing
-and its unregister has nothing to do (perf_analyzer unregisters both kinds as it ends), its register is a 400."""
+does; they answer 403 to a client not on this host (VITSERVE_SHARED_MEMORY=local, the default) and, with
+VITSERVE_SHARED_MEMORY=false, to every client. CUDA shared memory is not offered: its status lists nothing and its
+unregister has nothing to do (perf_analyzer unregisters both kinds as it ends), its register is a 400."""
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, ValidationError
 
@@ -23,8 +24,14 @@ class RegionStatus(RegionRequest):
     name: str
 
 
+def client_host(request: Request) -> str | None:
+    """The client's address; None for a Unix-socket peer, the one kind uvicorn gives none for. Behind a proxy on
+    this host, the address its X-Forwarded-For gives (uvicorn trusts it from FORWARDED_ALLOW_IPS: 127.0.0.1, ::1)."""
+    return request.client.host if request.client else None
+
+
 def _backend(request: Request):
-    return regions_backend(request.app.state.pipelines)
+    return regions_backend(request.app.state.pipelines, client_host(request))
 
 
 # the body is read whatever its Content-Type (tritonclient sends none), and a bad one is a 400, as under all of /v2
