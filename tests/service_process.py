@@ -2,6 +2,7 @@
 import io
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -21,6 +22,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from skimage import data as photos
 
+from bench.census import children
 from repository import InputPolicy, graph_inputs
 from service.decode import upload_input
 
@@ -28,9 +30,37 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port that no socket holds now, chosen below the kernel's ephemeral range: there the kernel never
+    hands it to a client connection or a bind to port 0 (of this process or any other) before the service binds
+    it, so only another explicit bind can take it meanwhile (service_and_process then starts again on another)."""
+    low = _ephemeral_low()
+    if low > _PORTS_FROM + 1000:
+        for _ in range(200):
+            port = random.SystemRandom().randrange(_PORTS_FROM, low)  # not `random`'s: tests may seed that one
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # an odd host's range: any port free now
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_PORTS_FROM = 20000  # above Ray's worker ports (10002-19999 by default)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+# how the service says that a port it was given is taken (the process backend's supervisor, uvicorn, gRPC)
+PORT_TAKEN = re.compile(r"address already in use|failed to bind to address", re.IGNORECASE)
+START_TRIES = 4
 
 
 @contextmanager
@@ -43,18 +73,146 @@ def running_service(wait_ready: bool = True, **settings) -> Iterator[str]:
 
 @contextmanager
 def service_and_process(wait_ready: bool = True, **settings) -> Iterator[tuple[str, subprocess.Popen]]:
-    """running_service's URL, and the `python -m service` process (the supervisor, under the process backend)."""
-    port = free_port()
-    settings = {"grpc_port": free_port(), **settings}
-    with tempfile.TemporaryFile() as output:  # a file, not a pipe: a server that logs a lot never blocks on it
+    """running_service's URL, and the `python -m service` process (the supervisor, under the process backend).
+
+    A port free when chosen may be taken before the service binds it (by another test's server, say): a service
+    that exits saying so is started again on other ports, up to START_TRIES times. The URL is given only once
+    this process holds the port's listening socket, so that it is never another server's that answered."""
+    path = "/health/ready" if wait_ready else "/health/live"
+    for attempt in range(1, START_TRIES + 1):
+        port = free_port()
+        chosen = {"grpc_port": free_port(), **settings}
+        # a file, not a pipe: a server that logs a lot never blocks on it
+        output = tempfile.TemporaryFile()  # noqa: SIM115 (closed below, or after the service stops)
         proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning"],
-                                cwd=ROOT, env=service_env(settings), stdout=output, stderr=subprocess.STDOUT)
+                                cwd=ROOT, env=service_env(chosen), stdout=output, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_for(url, "/health/ready" if wait_ready else "/health/live", proc, output=output)
-            yield url, proc
-        finally:
+            started = _serving(url, path, proc, output, port)
+        except BaseException:
             stop(proc, 10)
+            output.close()
+            raise
+        if started:
+            break
+        output.seek(0)
+        said = output.read().decode(errors="replace")
+        output.close()
+        if attempt == START_TRIES:
+            raise RuntimeError(f"the service found its port taken {START_TRIES} times; the last said:\n{said}")
+    try:
+        yield url, proc
+    finally:
+        stop(proc, 10)
+        output.close()
+
+
+def _serving(url: str, path: str, proc: subprocess.Popen, output: IO[bytes], port: int,
+             timeout: float = 120) -> bool:
+    """Until `path` answers 200 from a server of this process (True); False where the process exited because a
+    port it was given was taken, RuntimeError with its output where it exited otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            output.seek(0)
+            said = output.read().decode(errors="replace")
+            if PORT_TAKEN.search(said):
+                return False
+            raise RuntimeError(f"the service exited with {proc.returncode}:\n{said}")
+        if listens(proc.pid, port):
+            try:
+                if httpx.get(url + path, timeout=2).status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url}{path} did not answer 200 within {timeout}s")
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of the process's sockets (none if it has gone)."""
+    try:
+        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+    except OSError:
+        return set()
+    return {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether the process, or one it started, holds a socket listening on the loopback port (True where /proc
+    cannot tell)."""
+    if not Path("/proc/net/tcp").exists():
+        return True
+    held = set().union(*(socket_inodes(p) for p in (pid, *children(pid))))
+    return bool(held & sockets_on(port, "0A"))
+
+
+def rows_on(port: int, state: str) -> list[list[str]]:
+    """The rows of /proc/net/tcp of this port's TCP sockets in a state ("0A" listening, "01" established)."""
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return [row for row in rows if int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == state]
+
+
+def sockets_on(port: int, state: str) -> set[str]:
+    """The inodes of this port's TCP sockets in a state."""
+    return {row[9] for row in rows_on(port, state)}
+
+
+def server_ends(port: int) -> dict[int, str]:
+    """The inode of the server's end of each connection to the port ("0" until accepted), by the client's port."""
+    return {int(row[2].rsplit(":", 1)[1], 16): row[9] for row in rows_on(port, "01")}
+
+
+def workers_on(port: int) -> dict[int, set[str]]:
+    """Each HTTP worker (of the process backend) listening on the port, with the inodes of all its sockets."""
+    listening, workers = sockets_on(port, "0A"), {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or (proc / "comm").read_text().strip() != "vitserve-http":
+                continue
+        except OSError:  # gone meanwhile
+            continue
+        inodes = socket_inodes(int(proc.name))
+        if inodes & listening:
+            workers[int(proc.name)] = inodes
+    return workers
+
+
+def holders(port: int, clients: list[socket.socket], timeout: float = 120) -> list[int]:
+    """The HTTP worker that accepted each client's connection, once every one is accepted."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ends, held = server_ends(port), {inode: pid for pid, inodes in workers_on(port).items() for inode in inodes}
+        found = [held.get(ends.get(client.getsockname()[1], "0")) for client in clients]
+        if None not in found:
+            return found
+        assert time.monotonic() < deadline, f"{found.count(None)} of {len(clients)} connections never accepted"
+        time.sleep(0.05)
+
+
+def connections_to_every_worker(url: str, each: int, most: int = 1000) -> dict[int, list[socket.socket]]:
+    """`each` open connections to every HTTP worker of the process backend's service at `url`, by the worker's pid.
+    Where the kernel sends a new connection is its own affair (SO_REUSEPORT hashes it onto one worker's socket):
+    connections are opened until every worker holds `each`, those more than that closed, and at most `most`
+    opened. The caller closes the ones it gets."""
+    port = int(url.rsplit(":", 1)[1])
+    kept: dict[int, list[socket.socket]] = {pid: [] for pid in workers_on(port)}
+    opened = 0
+    try:
+        while any(len(held) < each for held in kept.values()):
+            assert opened < most, f"{most} connections reached the workers {[len(h) for h in kept.values()]} times"
+            batch = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(8)]
+            opened += len(batch)
+            for client, pid in zip(batch, holders(port, batch)):
+                if len(kept.setdefault(pid, [])) < each:
+                    kept[pid].append(client)
+                else:
+                    client.close()
+    except BaseException:
+        for client in (c for held in kept.values() for c in held):
+            client.close()
+        raise
+    return kept
 
 
 @contextmanager

@@ -102,6 +102,7 @@ class Misbehaving:
                                                         ("overloaded", "overloaded", "7"),
                                                         ("silent", "overloaded", "1")])
 def test_a_backend_that_cannot_answer_gives_503_with_retry_after(behaviour, code, retry_after):
+    # (the request timeout on a real server, its queue behind it: tests/test_request_timeout.py)
     settings = Settings(model_repository=REPO, request_timeout_s=0.2)
     app = create_app(settings, Misbehaving(behaviour), metrics=Metrics())
     ready, classified = asyncio.run(call(app, [("GET", "/health/ready", {}),

@@ -1,6 +1,7 @@
 """The Runner's device path (IOBinding, outputs bound and copied back, reused batch buffers) on the CPU provider:
 what serves every batch on CUDA, exercised on hosts without a GPU (CI) through the `iobinding` switch."""
 import asyncio
+import ctypes
 import json
 import logging
 import sys
@@ -10,9 +11,10 @@ import numpy as np
 import onnx
 import pytest
 import tritonclient.http as triton
-from service_process import ROOT, direct_probabilities, model_pixels, photo_bytes, running_service
+from service_process import ROOT, direct_probabilities, model_pixels, photo_bytes, run_graph, running_service
 
 from service import runtime
+from service.attention import last_layer_grid, rollout_grid
 from service.backends.local import LocalBackend
 from service.metrics import Metrics
 from service.runtime import CPU, Runner
@@ -90,6 +92,23 @@ def test_without_cupy_batches_are_gathered_in_pageable_memory_with_a_warning(mon
         runtime.pinned_empty.cache_clear()
 
 
+def plain_path_grids(model_dir, image: bytes) -> dict[tuple[str, str], np.ndarray]:
+    """The attention grids GET /attention-map gives for an image, from plain ONNX Runtime sessions (no IOBinding)
+    of the model's graph and of its explain graph on the service's preprocessing, by (method, head)."""
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    attention, pixels = manifest["attention"], model_pixels(model_dir, image)[None]
+
+    def outputs(graph: str) -> dict[str, np.ndarray]:  # the one image's row of each output, by name
+        names = [o.name for o in onnx.load(model_dir / graph, load_external_data=False).graph.output]
+        return {name: value[0] for name, value in zip(names, run_graph(model_dir / graph, pixels))}
+
+    main, explained = outputs("model.onnx"), outputs(manifest["files"]["explain"]["path"])
+    layers = [explained[name] for name in attention["explain_outputs"]]
+    return {(method, head): grid(head) for head in ("mean", "max", "0") for method, grid in (
+        ("last", lambda h: last_layer_grid(main, attention, "cls", h)),
+        ("rollout", lambda h: rollout_grid(layers, attention, "cls", h)))}
+
+
 @pytest.mark.parametrize("backend", ["process"])  # the backend that serves on CUDA
 def test_the_service_serves_classify_v2_and_attention_maps_through_the_device_path(backend):
     with running_service(backend=backend, workers=1, iobinding="true") as url:
@@ -100,10 +119,15 @@ def test_the_service_serves_classify_v2_and_attention_maps_through_the_device_pa
         got = {p["index"]: p["score"] for p in result["predictions"]}
         np.testing.assert_allclose([got[i] for i in range(6)], direct_probabilities(REPO / "shapes-vit", JPEG),
                                    atol=1e-5)
-        for method in ("last", "rollout"):  # rollout runs the explain graph
-            m = httpx.get(f"{url}/attention-map", params={"id": result["id"], "method": method, "format": "json"})
+        plain = plain_path_grids(REPO / "shapes-vit", JPEG)
+        for (method, head), want in plain.items():  # rollout runs the explain graph
+            m = httpx.get(f"{url}/attention-map", params={"id": result["id"], "method": method, "head": head,
+                                                            "format": "json"})
             assert m.status_code == 200, m.text
-            assert np.isfinite(m.json()["grid"]).all()
+            # the device path's outputs are the plain run's bit for bit (the tests above); the JSON rounds to 4
+            # places, and the server's threads may sum in another order: a map of another image, or of stale rows
+            # of the reused batch buffer, is tenths apart
+            np.testing.assert_allclose(m.json()["grid"], want, atol=2e-4, err_msg=f"{method}, head {head}")
         client = triton.InferenceServerClient(url=url.removeprefix("http://"))
         pixels = model_pixels(REPO / "shapes-vit", JPEG)[None]
         images = triton.InferInput("images", list(pixels.shape), "UINT8")
@@ -137,6 +161,18 @@ def test_cuda_blocking_sync_sets_the_primary_contexts_flag_before_any_session_an
     assert "no CUDA driver" in runtime.cuda_blocking_sync()
 
 
+def libcuda_loads() -> bool:
+    """Whether the CUDA driver's library loads here, as cuda_blocking_sync loads it (a GPU host's driver)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(libcuda_loads(), reason="libcuda.so.1 loads on this host: cuda_blocking_sync goes on to the "
+                                            "driver calls, so the no-driver warning this test waits for never comes "
+                                            "(the driver calls' order: the test above)")
 def test_with_cuda_blocking_sync_on_a_host_without_cuda_the_models_serve_and_the_log_says_why(caplog):
     async def main() -> dict:
         backend = LocalBackend(Settings(model_repository=REPO, cuda_blocking_sync=True, warmup_runs=0), Metrics())

@@ -11,14 +11,17 @@ import inspect
 import io
 import logging
 import re
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from service_process import ROOT, awkward_jpegs, model_pixels, photo_bytes, run_graph
+from service_process import (ROOT, awkward_jpegs, direct_probabilities, model_pixels, photo_bytes, run_graph,
+                             write_model)
 from skimage import data as photos
 
 from repository import InputPolicy, read_entry
@@ -361,20 +364,8 @@ def test_where_cuda_serves_and_gpu_decoding_does_not_start_models_says_why(backe
 
     async def models(gpu_decode: bool) -> dict[str, dict]:
         settings = Settings(model_repository=REPO, warmup_runs=0, gpu_decode=gpu_decode)
-        stop, socket = asyncio.Event(), tmp_path / f"{gpu_decode}.sock"
-        if backend == "process":  # the inference process's LocalBackend, in this process, and one worker
-            serving = asyncio.create_task(InferenceServer(settings, socket).serve(stop))
-        app = create_app(settings, ProcessBackend(settings, socket) if backend == "process"
-                         else LocalBackend(settings, Metrics()), metrics=Metrics())
-        try:
-            async with app.router.lifespan_context(app):
-                await app.state.pipelines.backend.loaded()
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://v") as client:
-                    return {m["name"]: m for m in (await client.get("/models")).json()["models"]}
-        finally:
-            if backend == "process":
-                stop.set()
-                await serving
+        async with served(settings, backend, tmp_path / f"{gpu_decode}.sock") as client:
+            return {m["name"]: m for m in (await client.get("/models")).json()["models"]}
 
     with caplog.at_level(logging.WARNING, "vitserve"):
         on = asyncio.run(models(True))
@@ -386,3 +377,84 @@ def test_where_cuda_serves_and_gpu_decoding_does_not_start_models_says_why(backe
                for r in caplog.records)
     off = asyncio.run(models(False))
     assert all(m["decode"] == "cpu" and m["decode_reason"] is None for m in off.values())
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_a_graph_loaded_after_start_up_decodes_on_the_cpu_and_models_says_why(backend, monkeypatch, tmp_path):
+    """Only start-up sets up GPU decoders (docs/serving.md): with GPU decoding on and the models on CUDA, a graph
+    loaded later (POST /v2/repository/models/NAME/load) decodes its JPEGs on the CPU, and /models says so, while
+    the start-up graph goes on decoding with its decoder. As above, the graphs run on the CPU reported as CUDA;
+    the start-up decoder is gpu_decode.GpuDecoder on the host (nvImageCodec's CPU decoder), as the tests above run
+    it. On a GPU host, tests/test_gpu.py runs the same on a real server with the real decoder."""
+    opened, decoders = LocalBackend._open, {}
+
+    def on_cuda(self, entry, plan):
+        runner = opened(self, entry, plan)
+        runner.provider = CUDA
+        return runner
+
+    def on_the_host(policy, model, max_batch):  # what lifecycle's start-up calls, here without a GPU to build on
+        decoders[model] = CountingDecoder(policy)
+        return decoders[model], None
+
+    monkeypatch.setattr(LocalBackend, "_open", on_cuda)
+    monkeypatch.setattr(gpu_decode, "gpu_decoder", on_the_host)
+    repository = tmp_path / "repository"
+    write_model(repository / "shapes-vit", REPO / "shapes-vit", "shapes-vit")
+    jpeg = photo_bytes("chelsea", "JPEG", quality=90)
+
+    async def main() -> tuple[dict, dict, httpx.Response, httpx.Response]:
+        settings = Settings(model_repository=repository, warmup_runs=0, gpu_decode=True, model_control="explicit")
+        async with served(settings, backend, tmp_path / "inference.sock") as client:
+            async def models() -> dict[str, dict]:
+                return {m["name"]: m for m in (await client.get("/models")).json()["models"]}
+
+            async def classify(model: str) -> httpx.Response:
+                return await client.post("/classify", files={"file": ("chelsea.jpg", jpeg)},
+                                         params={"model": model, "top_k": 6})
+
+            at_start = await models()
+            write_model(repository / "shapes-deit", REPO / "shapes-deit", "shapes-deit")
+            loaded = await client.post("/v2/repository/models/shapes-deit/load")
+            assert loaded.status_code == 200, loaded.text
+            for _ in range(100):  # under the process backend the status reaches the worker as a push
+                if "shapes-deit" in (later := await models()):
+                    break
+                await asyncio.sleep(0.01)
+            return at_start, later, await classify("shapes-deit"), await classify("shapes-vit")
+
+    at_start, later, deit, vit = asyncio.run(main())
+    assert at_start["shapes-vit"]["provider"] == CUDA and at_start["shapes-vit"]["decode"] == "gpu"
+    assert at_start["shapes-vit"]["decode_reason"] is None and "shapes-deit" not in at_start
+    assert later["shapes-deit"]["provider"] == CUDA and later["shapes-deit"]["ready"]
+    assert later["shapes-deit"]["decode"] == "cpu"
+    assert later["shapes-deit"]["decode_reason"] == ("GPU decoding is set up at start-up only, and this graph was "
+                                                    "loaded later")
+    assert (later["shapes-vit"]["decode"], later["shapes-vit"]["decode_reason"]) == ("gpu", None)
+    # the start-up graph's JPEG went to its decoder, one batch; no decoder was made for the late graph, whose
+    # JPEG gave the CPU path's answers to 1e-5 (a full-size decode and resize on the "GPU" moves them by tenths)
+    assert deit.status_code == 200 and vit.status_code == 200, (deit.text, vit.text)
+    assert list(decoders) == ["shapes-vit"] and decoders["shapes-vit"].calls == [1]
+    got = {p["index"]: p["score"] for p in deit.json()["results"][0]["predictions"]}
+    np.testing.assert_allclose([got[i] for i in range(6)], direct_probabilities(REPO / "shapes-deit", jpeg),
+                               atol=1e-5)
+
+
+@asynccontextmanager
+async def served(settings: Settings, backend: str, socket: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app over the backend, its models loaded; under "process" the inference process's server in
+    this process, on `socket`, and the app as its one worker."""
+    stop = asyncio.Event()
+    if backend == "process":
+        serving = asyncio.create_task(InferenceServer(settings, socket).serve(stop))
+    app = create_app(settings, ProcessBackend(settings, socket) if backend == "process"
+                     else LocalBackend(settings, Metrics()), metrics=Metrics())
+    try:
+        async with app.router.lifespan_context(app):
+            await app.state.pipelines.backend.loaded()
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://v") as client:
+                yield client
+    finally:
+        if backend == "process":
+            stop.set()
+            await serving

@@ -5,6 +5,7 @@ import asyncio
 import io
 import json
 import queue
+import time
 
 import grpc
 import httpx
@@ -13,6 +14,7 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.http as triton_http
+from fault_graphs import stalling, turns_for
 from PIL import Image
 from service_process import ROOT, free_port, metric, model_pixels, photo_bytes, run_graph, running_service
 from skimage import data as photos
@@ -177,8 +179,8 @@ def test_errors_are_status_codes(client):
     assert infer(client, x, "images").as_numpy("logits").shape == (1, 6)  # and it serves on
 
 
-def request(x: np.ndarray) -> pb.ModelInferRequest:
-    return pb.ModelInferRequest(model_name=MODEL, inputs=[pb.ModelInferRequest.InferInputTensor(
+def request(x: np.ndarray, model: str = MODEL) -> pb.ModelInferRequest:
+    return pb.ModelInferRequest(model_name=model, inputs=[pb.ModelInferRequest.InferInputTensor(
         name="images", datatype="UINT8", shape=x.shape)], raw_input_contents=[x.tobytes()])
 
 
@@ -187,14 +189,10 @@ def model_infer(channel: grpc.aio.Channel):
                                pb.ModelInferResponse.FromString)
 
 
-async def flood(target: str, calls: int, x: np.ndarray, cancel_after_s: float | None = None) -> list:
-    """`calls` ModelInfer calls at once on one channel; each one's response or its error (or None, cancelled)."""
+async def flood(target: str, calls: int, x: np.ndarray) -> list:
+    """`calls` ModelInfer calls at once on one channel; each one's response or its error."""
     async with grpc.aio.insecure_channel(target) as channel:
         pending = [model_infer(channel)(request(x), metadata=tuple(KEY.items())) for _ in range(calls)]
-        if cancel_after_s is not None:
-            await asyncio.sleep(cancel_after_s)
-            for call in pending:
-                call.cancel()
         return await asyncio.gather(*pending, return_exceptions=True)
 
 
@@ -212,16 +210,69 @@ def test_overload_is_unavailable_with_a_retry_hint_and_every_answer_is_right(ser
         np.testing.assert_allclose(logits, np.repeat(want, 8, axis=0), atol=1e-5)
 
 
-def test_a_cancelled_call_leaves_the_queue_and_is_not_computed(served):
-    def images_run() -> float:
-        return metric(httpx.get(f"{served[0]}/metrics").text, "vitserve_images_total", model=MODEL)
+async def cancelled_once(target: str, model: str, x: np.ndarray, calls: int, ready) -> list:
+    """`calls` ModelInfer calls of `x` at once on one channel, all cancelled once `ready()` (polled off the event
+    loop) says so; each one's response, or its error (CancelledError for a call cancelled before its answer)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        pending = [model_infer(channel)(request(x, model)) for _ in range(calls)]
+        waits = [asyncio.ensure_future(call) for call in pending]
+        await asyncio.get_running_loop().run_in_executor(None, ready)
+        for call in pending:
+            call.cancel()
+        return await asyncio.gather(*waits, return_exceptions=True)
 
-    before, x = images_run(), np.repeat(images(1), 8, axis=0)
-    answers = asyncio.run(flood(served[1], 8, x, cancel_after_s=0.005))  # 64 images, cancelled as they queue
-    assert all(isinstance(a, asyncio.CancelledError) or isinstance(a, pb.ModelInferResponse) for a in answers)
-    asyncio.run(flood(served[1], 1, x[:1]))  # the queue is free: served at once
-    assert images_run() - before < 64 + 1
-    assert metric(httpx.get(f"{served[0]}/metrics").text, "vitserve_queue_depth", model=MODEL) == 0
+
+@pytest.mark.parametrize("backend,workers", [("thread", 0), ("process", 2)])
+def test_cancelled_calls_leave_the_queue_and_only_the_answered_and_the_running_batch_are_computed(backend, workers,
+                                                                                                   tmp_path):
+    """Eight calls of eight images, a batch each (max_batch_size 8) that takes seconds (fault_graphs.stalling: the images'
+    top-left pixel is bright), all cancelled once a call's images wait in the model's queue (the inference
+    process's, under the process backend). Computed are the images of the calls answered (none, unless the client
+    was held up for a whole batch) and of the batch that was running when the cancellations came: the others left
+    the queue, as a call sent afterwards, which runs after anything still queued, shows. (Under the process
+    backend a worker's requests that share a frame are answered together, when its last image is computed: so the
+    cancellations come on the queue's state, not on a first answer.)"""
+    model, batch_s = "slow-deit", 3.0
+    source = ROOT / "model_repository" / MODEL
+    stalling(source, tmp_path / "repository" / model, turns_for(batch_s, source, tmp_path))
+    port = free_port()
+    settings = {"backend": backend, "grpc_port": port, "model_repository": tmp_path / "repository",
+                "max_batch_size": 8, "queue_limit": QUEUE_LIMIT, "intra_op_threads": 1, "spin_wait": "false",
+                "inference_unready_after_s": 600, "inference_kill_after_s": 1200,
+                **({"workers": workers} if workers else {})}
+    bright = np.repeat(model_pixels(ROOT / "model_repository" / MODEL, photo_bytes("astronaut", "JPEG"))[None], 8, 0)
+    dark = model_pixels(ROOT / "model_repository" / MODEL, photo_bytes("coffee", "JPEG"))[None]
+    assert bright[0, 0, 0, 0] >= 128 > dark[0, 0, 0, 0]
+    with running_service(**settings) as url:
+        def figures() -> tuple[float, float]:  # images computed (as each batch ends), and queued
+            text = httpx.get(f"{url}/metrics").text
+            return (metric(text, "vitserve_images_total", model=model),
+                    metric(text, "vitserve_queue_depth", model=model))
+
+        def a_call_waits() -> None:  # a call's images are queued (not in a worker's hands, nor yet in a batch)
+            deadline = time.monotonic() + 120
+            while figures()[1] < 8:
+                assert time.monotonic() < deadline, "no call's images queued within 120 s"
+                time.sleep(0.02)
+
+        before, _ = figures()
+        answers = asyncio.run(cancelled_once(f"127.0.0.1:{port}", model, bright, 8, a_call_waits))
+        answered = [a for a in answers if isinstance(a, pb.ModelInferResponse)]
+        cancelled = [a for a in answers if isinstance(a, asyncio.CancelledError)]
+        assert cancelled and len(answered) + len(cancelled) == 8, answers  # a call queued then was cancelled
+        want = run_graph(ROOT / "model_repository" / MODEL / "model.onnx", bright)[0]  # stalling adds 0 x a count
+        for answer in answered:
+            np.testing.assert_allclose(np.frombuffer(answer.raw_output_contents[0], "<f4").reshape(8, 6), want,
+                                       atol=1e-5)
+        with triton.InferenceServerClient(f"127.0.0.1:{port}") as client:
+            np.testing.assert_allclose(infer(client, dark, "images", model=model, headers=None).as_numpy("logits"),
+                                       run_graph(ROOT / "model_repository" / MODEL / "model.onnx", dark)[0], atol=1e-5)
+        computed, queued = figures()
+        # the answered calls' images, and at most one batch more: the one running when the cancellations came (or
+        # none, had they come as the first call's images were queued and not yet in a batch); the last call's
+        assert 8 * len(answered) <= computed - before - 1 <= 8 * (len(answered) + 1), (computed - before,
+                                                                                        len(answered))
+        assert queued == 0
 
 
 def test_grpc_and_rest_clients_share_batches(served):

@@ -1,6 +1,7 @@
 """The load tester: its multipart bodies and merging as units, then against the real service on a loopback port."""
 import asyncio
 import json
+import time
 
 import aiohttp
 import httpx
@@ -104,15 +105,48 @@ def test_a_level_is_client_bound_when_any_client_process_nearly_fills_its_core()
     assert not client_bound([], seconds=2.0)
 
 
+def recorded(send, calls: list[tuple[int, float, float, int]]):
+    """`send`, each request's (number, start, end, status) appended to `calls`, on this process's perf_counter
+    clock. The load tester reads that clock just before the call (`now`) and just after it returns (`finished`),
+    with no await between: a request's `finished` lies between its end here and the next start of its client."""
+    async def send_and_record(session, i: int) -> int:
+        start = time.perf_counter()
+        status = await send(session, i)
+        calls.append((i, start, time.perf_counter(), status))
+        return status
+
+    return send_and_record
+
+
 def test_load_tester_counts_the_requests_that_complete_in_its_window(url):
-    before = served_images(url)
-    send = classify_requests([CHELSEA], {"model": MODEL})
-    result = asyncio.run(run_level(url, send, concurrency=4, duration=1.5, warmup=0.5))
-    served = served_images(url) - before
-    assert result.failures == {} and result.seconds == 1.5
-    assert 0 < result.images < served  # the warm-up's and the tail's requests are served but not counted
-    assert result.images_per_s == result.images / 1.5 and result.latency_ms["p50"] > 0
-    assert result.requests == result.images and 0 < result.client_cores == result.client_cpu_s / 1.5
+    """What the level reports, against each request as its client saw it. The window opens `warmup` after the level
+    starts: after `called`, and before the first request starts. A request counts when its `finished` falls in the
+    window, and `finished` lies between its end and its client's next start (the level's return for a client's
+    last): so those whose every possible `finished` is in every possible window are counted, and only those with
+    one in some window may be. The rate, the latencies and the CPU are of those."""
+    duration, warmup, concurrency, calls = 1.5, 0.5, 4, []
+    before, cpu_before = served_images(url), time.process_time()
+    called = time.perf_counter()
+    result = asyncio.run(run_level(url, recorded(classify_requests([CHELSEA], {"model": MODEL}), calls),
+                                   concurrency=concurrency, duration=duration, warmup=warmup))
+    returned, cpu, served = time.perf_counter(), time.process_time() - cpu_before, served_images(url) - before
+    assert {status for *_, status in calls} == {200} and result.failures == {}
+    starts, ends = {i: s for i, s, _, _ in calls}, {i: e for i, _, e, _ in calls}  # client k sends k, k + 4, ...
+    first = min(starts.values())
+    opens, closes = (called + warmup, first + warmup), (called + warmup + duration, first + warmup + duration)
+    # each request: (earliest `finished`, latest `finished`, shortest and longest latency the tester can measure)
+    spans = {i: (ends[i], starts.get(i + concurrency, returned), ends[i] - starts[i],
+                 starts.get(i + concurrency, returned) - ends.get(i - concurrency, called)) for i in starts}
+    surely = [i for i, (early, late, *_) in spans.items() if opens[1] <= early and late <= closes[0]]
+    maybe = [i for i, (early, late, *_) in spans.items() if opens[0] <= late and early <= closes[1]]
+    assert len(surely) <= result.requests <= len(maybe), (len(surely), result.requests, len(maybe))
+    assert 0 < result.images == result.requests < len(calls) <= served  # the warm-up's and the tail's: not counted
+    assert len(surely) / duration <= result.images_per_s <= len(maybe) / duration
+    shortest, longest = min(spans[i][2] for i in maybe) * 1e3, max(spans[i][3] for i in maybe) * 1e3
+    assert shortest <= result.latency_ms["p50"] <= result.latency_ms["p99"] <= longest, result.latency_ms
+    assert 0 < result.client_cpu_s <= cpu  # this process's CPU, over a part of the run
+    assert result.client_cores == result.client_cpu_s / duration
+    assert result.client_bound == (result.client_cpu_s >= 0.9 * duration)  # its one event loop's core, nearly full
 
 
 def test_several_files_per_request_are_all_served_and_counted_as_images(url):
@@ -154,8 +188,12 @@ def test_load_tester_command_line_reports_every_level_as_a_table_json_and_a_plot
     levels = json.loads((tmp_path / "load.json").read_text())
     assert [lv["concurrency"] for lv in levels] == [1, 3]
     assert all(lv["images"] == 2 * lv["requests"] > 0 and lv["failures"] == {} and lv["latency_ms"]["p99"] > 0
-               and lv["client_cpu_s"] > 0 and lv["client_cores"] > 0 and lv["client_bound"] in (True, False)
-               for lv in levels)
+               and lv["client_cpu_s"] > 0 and lv["client_cores"] > 0 for lv in levels)
+    for level, row in zip(levels, rows):  # the table's mark is the JSON's, and each follows the clients' CPU:
+        assert level["client_bound"] == row.endswith("CLIENT-BOUND"), (level, row)
+        # marked: one of its client processes (two at most) used >= 0.9 of its core over the 1 s, so together
+        # >= 0.9; not marked: each used less, so together < 1.8
+        assert level["client_cpu_s"] >= 0.9 if level["client_bound"] else level["client_cpu_s"] < 1.8, level
     assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
