@@ -115,6 +115,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
 def server_options(settings: Settings, log_level: str) -> dict[str, Any]:
     """uvicorn's options for the service's HTTP server, as uvicorn.run and uvicorn.Config take them."""
+    # An idle kept-alive connection is closed by the head timer alone, VITSERVE_HEADER_TIMEOUT_S after its last
+    # answer. uvicorn's own 5 s close raced clients that reuse a connection idle about as long (httpx keeps one 5 s
+    # from when it has read the answer, later than the server's clock starts): 33 of 2,700 such reuses got a reset
+    # or no answer under load, none of 2,700 at 60 s (bench/keep_alive.py, docs/performance.md)
     return {"http": functools.partial(BoundedHeadProtocol, header_timeout_s=settings.header_timeout_s),
             "log_level": log_level, "access_log": settings.access_log,
+            "timeout_keep_alive": settings.header_timeout_s,
             "timeout_graceful_shutdown": int(settings.request_timeout_s) + 5}

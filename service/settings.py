@@ -42,7 +42,8 @@ class Settings(BaseSettings):
     header_timeout_s: float = Field(60.0, gt=0, description="a connection that has not sent a whole request head "
                                                             "this long after it opened or got its last answer is "
                                                             "closed (408 if it sent part of one): nginx's "
-                                                            "client_header_timeout")
+                                                            "client_header_timeout; so an idle kept-alive "
+                                                            "connection stays open this long")
     inference_unready_after_s: float = Field(30.0, gt=0, description="process backend: the inference process "
                                              "silent this long (its event loop stopped, or waiting work with no "
                                              "batch finished) makes /health/ready 503 and requests 503")

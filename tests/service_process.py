@@ -22,11 +22,12 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from skimage import data as photos
 
-from bench.census import children
 from repository import InputPolicy, graph_inputs
 from service.decode import upload_input
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # (bench/ is no package: bench scripts import this file too)
+from census import children  # noqa: E402  the process tree, as the GPU check's census reads it
 
 
 def free_port() -> int:
@@ -129,6 +130,20 @@ def _serving(url: str, path: str, proc: subprocess.Popen, output: IO[bytes], por
     raise TimeoutError(f"{url}{path} did not answer 200 within {timeout}s")
 
 
+def role_pids(supervisor: int, role: str) -> list[int]:
+    """The supervisor's children of one role (supervisor.ROLES), by their process name."""
+    children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+    return [int(pid) for pid in children if process_name(int(pid)) == role]
+
+
+def process_name(pid: int) -> str | None:
+    """Its name (/proc/PID/comm), or None where it has gone meanwhile (a killed child, reaped)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
 def socket_inodes(pid: int) -> set[str]:
     """The inodes of the process's sockets (none if it has gone)."""
     try:
@@ -167,14 +182,21 @@ def workers_on(port: int) -> dict[int, set[str]]:
     """Each HTTP worker (of the process backend) listening on the port, with the inodes of all its sockets."""
     listening, workers = sockets_on(port, "0A"), {}
     for proc in Path("/proc").iterdir():
-        try:
-            if not proc.name.isdigit() or (proc / "comm").read_text().strip() != "vitserve-http":
-                continue
-        except OSError:  # gone meanwhile
+        if not proc.name.isdigit() or process_name(int(proc.name)) != "vitserve-http":
             continue
         inodes = socket_inodes(int(proc.name))
         if inodes & listening:
             workers[int(proc.name)] = inodes
+    return workers
+
+
+def every_worker_on(port: int, count: int, timeout: float = 120) -> dict[int, set[str]]:
+    """workers_on, once `count` workers are there: a worker is named vitserve-http only once its interpreter has
+    started, and ready may answer from one while another still imports."""
+    deadline = time.monotonic() + timeout
+    while len(workers := workers_on(port)) < count:
+        assert time.monotonic() < deadline, f"{len(workers)} of {count} HTTP workers listening"
+        time.sleep(0.05)
     return workers
 
 
@@ -190,13 +212,14 @@ def holders(port: int, clients: list[socket.socket], timeout: float = 120) -> li
         time.sleep(0.05)
 
 
-def connections_to_every_worker(url: str, each: int, most: int = 1000) -> dict[int, list[socket.socket]]:
-    """`each` open connections to every HTTP worker of the process backend's service at `url`, by the worker's pid.
+def connections_to_every_worker(url: str, workers: int, each: int, most: int = 1000) -> dict[int, list[socket.socket]]:
+    """`each` open connections to every one of the `workers` HTTP workers of the process backend's service at `url`,
+    by the worker's pid.
     Where the kernel sends a new connection is its own affair (SO_REUSEPORT hashes it onto one worker's socket):
     connections are opened until every worker holds `each`, those more than that closed, and at most `most`
     opened. The caller closes the ones it gets."""
     port = int(url.rsplit(":", 1)[1])
-    kept: dict[int, list[socket.socket]] = {pid: [] for pid in workers_on(port)}
+    kept: dict[int, list[socket.socket]] = {pid: [] for pid in every_worker_on(port, workers)}
     opened = 0
     try:
         while any(len(held) < each for held in kept.values()):

@@ -53,7 +53,7 @@ def test_the_census_reads_every_thread_of_the_service_by_role_and_job():
         rested = census.snapshot([proc.pid])
         # two connections to each worker, whatever the kernel's hash does with new ones (a kept-alive client's few
         # connections may all land on one worker, and a worker's decode thread starts with its first decode)
-        pinned = connections_to_every_worker(url, each=2)
+        pinned = connections_to_every_worker(url, workers=2, each=2)
         try:
             before = census.snapshot([proc.pid])
             with ThreadPoolExecutor(4) as pool:  # 40 requests a worker, four at a time in all

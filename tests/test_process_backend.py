@@ -23,9 +23,9 @@ import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from service_process import (ROOT, direct_probabilities, free_port, holders, metric, model_pixels, photo_bytes,
-                             rows_on, run_graph, running_service, service_and_process, service_env, sockets_on,
-                             wait_for, workers_on)
+from service_process import (ROOT, direct_probabilities, every_worker_on, free_port, holders, metric, model_pixels,
+                             photo_bytes, role_pids, rows_on, run_graph, running_service, service_and_process,
+                             service_env, sockets_on, wait_for, workers_on)
 
 from service.backends import wire
 from service.backends.process import ProcessBackend
@@ -217,12 +217,6 @@ def test_a_workers_requests_travel_as_one_frame_and_each_gets_its_own_rows(tmp_p
     np.testing.assert_allclose(kept[1]["logits"][0], want[0], atol=1e-5)
 
 
-def children_named(supervisor: int, role: str) -> list[int]:
-    """The supervisor's children of one role (supervisor.ROLES), by their process name."""
-    children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
-    return [int(pid) for pid in children if Path(f"/proc/{pid}/comm").read_text().strip() == role]
-
-
 @contextmanager
 def stopped(pid: int) -> Iterator[None]:
     """The process stopped (SIGSTOP, every thread of it) for the block, then continued."""
@@ -293,7 +287,7 @@ def test_across_the_process_boundary_a_workers_requests_share_a_frame_and_one_gi
     with (service_and_process(backend="process", workers=1, decode_threads=1, max_batch_size=8,
                               inference_unready_after_s=600, inference_kill_after_s=1200, request_timeout_s=600)
           as (url, supervisor), ThreadPoolExecutor(32) as pool):  # a thread for each request under way
-        (inference,) = children_named(supervisor.pid, "vitserve-infer")
+        (inference,) = role_pids(supervisor.pid, "vitserve-infer")
         others = []  # shapes-vit's requests, each sent to learn that the ones before it are in the outbox
 
         def handed_over(images: float) -> None:
@@ -518,7 +512,7 @@ def test_connections_spread_over_the_workers_and_a_killed_workers_share_waits_fo
     that came to a stopped worker's socket waited there for it, and no other worker took them."""
     with running_service(backend="process", workers=4) as base, ExitStack() as stack:
         port = int(base.rsplit(":", 1)[1])
-        before = workers_on(port)
+        before = every_worker_on(port, 4)
         own = {pid: inodes & sockets_on(port, "0A") for pid, inodes in before.items()}
         # a listening socket of its own for each worker, on the one port: four in all
         assert len(own) == 4 and all(len(s) == 1 for s in own.values()) and len(set().union(*own.values())) == 4
