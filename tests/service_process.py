@@ -73,8 +73,10 @@ def running_service(wait_ready: bool = True, **settings) -> Iterator[str]:
 
 
 @contextmanager
-def service_and_process(wait_ready: bool = True, **settings) -> Iterator[tuple[str, subprocess.Popen]]:
-    """running_service's URL, and the `python -m service` process (the supervisor, under the process backend).
+def service_and_process(wait_ready: bool = True, root: Path = ROOT, **settings
+                        ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """running_service's URL, and the `python -m service` process (the supervisor, under the process backend), run
+    from `root` (another checkout's, for a benchmark's baseline).
 
     A port free when chosen may be taken before the service binds it (by another test's server, say): a service
     that exits saying so is started again on other ports, up to START_TRIES times. The URL is given only once
@@ -86,7 +88,7 @@ def service_and_process(wait_ready: bool = True, **settings) -> Iterator[tuple[s
         # a file, not a pipe: a server that logs a lot never blocks on it
         output = tempfile.TemporaryFile()  # noqa: SIM115 (closed below, or after the service stops)
         proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port), "--log-level", "warning"],
-                                cwd=ROOT, env=service_env(chosen), stdout=output, stderr=subprocess.STDOUT)
+                                cwd=root, env=service_env(chosen), stdout=output, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
             started = _serving(url, path, proc, output, port)
@@ -103,6 +105,11 @@ def service_and_process(wait_ready: bool = True, **settings) -> Iterator[tuple[s
             raise RuntimeError(f"the service found its port taken {START_TRIES} times; the last said:\n{said}")
     try:
         yield url, proc
+    except BaseException:  # a failed test shows what the service logged (pytest prints a failure's stderr)
+        stop(proc, 10)
+        output.seek(0)
+        print(f"the service said:\n{output.read().decode(errors='replace')[-8000:]}", file=sys.stderr)
+        raise
     finally:
         stop(proc, 10)
         output.close()
