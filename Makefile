@@ -10,11 +10,22 @@ BIN := $(VENV)/bin
 # The default is what .venv already has (cpu in a new checkout): naming the other one swaps it.
 RUNTIME ?= $(shell cat $(VENV)/.runtime 2>/dev/null || echo cpu)
 OTHER_ORT := $(if $(filter gpu,$(RUNTIME)),onnxruntime,onnxruntime-gpu)
+# Everything (`make install`, so the tests): the runtime, training and export, the load tester, Ray and the test tools
 $(VENV)/.installed-$(RUNTIME): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip uninstall --quiet --yes $(OTHER_ORT) 2>/dev/null || true
 	$(BIN)/pip install --quiet --constraint requirements.lock --editable '.[$(RUNTIME),train,test,loadtest,ray]'
-	rm -f $(VENV)/.installed*
+	rm -f $(VENV)/.installed* $(VENV)/.serving*
+	echo $(RUNTIME) > $(VENV)/.runtime
+	touch $(VENV)/.serving-$(RUNTIME) $@
+
+# Serving alone (`make serve`): the web stack and one ONNX Runtime, no torch, Ray or test tools (about 20 s on a
+# fresh machine). A full install has it too.
+$(VENV)/.serving-$(RUNTIME): pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip uninstall --quiet --yes $(OTHER_ORT) 2>/dev/null || true
+	$(BIN)/pip install --quiet --constraint requirements.lock --editable '.[$(RUNTIME)]'
+	rm -f $(VENV)/.installed* $(VENV)/.serving*
 	echo $(RUNTIME) > $(VENV)/.runtime
 	touch $@
 
@@ -52,7 +63,7 @@ FACES := data/faces
 RECIPE := --lr 1e-3 --warmup-epochs 1 --crop-scale 0.85 --jitter 0.1 --drop-path 0.05
 
 # The service on the embedded model repository (settings: VITSERVE_* variables, see README).
-serve: install
+serve: $(VENV)/.serving-$(RUNTIME)
 	$(BIN)/python -m service
 
 # Rebuild the embedded model repository from the committed demo weights. The held-out splits (the same

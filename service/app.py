@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from . import grpc_server, http_errors
 from .backends import Backend
 from .backends.local import LocalBackend
+from .hot_routes import HotRoutes
 from .metrics import Metrics
 from .middleware import ApiKey, BodyLimit, CancelOnDisconnect, HeadAsGet, RequestMetrics
 from .pipeline import Pipelines
@@ -83,7 +84,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         return Response(metrics_page(metrics, pipelines), media_type=CONTENT_TYPE_LATEST)
 
     # the last added runs first: CORS answers preflights, metrics count every answer, the body limit comes
-    # before the key (a refused key reads at most that much)
+    # before the key (a refused key reads at most that much); the hot routes last, FastAPI's routing after them
+    app.add_middleware(HotRoutes)
     app.add_middleware(CancelOnDisconnect)
     if settings.api_key is not None:
         app.add_middleware(ApiKey, key=settings.api_key.get_secret_value())

@@ -32,32 +32,35 @@ _HTTP_CODES = {400: "bad_request", 403: "forbidden", 404: "not_found", 405: "met
                415: "unsupported_media_type", 422: "invalid_request", 503: "unavailable"}
 
 
-def install(app: FastAPI) -> None:
-    @app.exception_handler(ServiceError)
-    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+def answer_to(exc: Exception, method: str, path: str) -> JSONResponse:
+    """The JSON answer to what a route raised; what is not the client's doing is logged. Exceptions of the kinds in
+    HANDLED are answered where the route runs; others pass through the middleware (BodyLimit's own among them) to
+    the outermost, ServerErrorMiddleware, which answers them here too, with a 500."""
+    if isinstance(exc, ServiceError):
         if type(exc) not in STATUS:
-            log.error("%s %s failed: %s", request.method, request.url.path, exc.message)
-        return service_error_response(exc, request.url.path)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+            log.error("%s %s failed: %s", method, path, exc.message)
+        return service_error_response(exc, path)
+    if isinstance(exc, HTTPException):
         return error_response(exc.status_code, _HTTP_CODES.get(exc.status_code, "error"), str(exc.detail),
-                              getattr(exc, "headers", None), request.url.path)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+                              getattr(exc, "headers", None), path)
+    if isinstance(exc, RequestValidationError):
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(422, "invalid_request", f"{where}: {first.get('msg')}".strip(": "),
-                              path=request.url.path)
+        return error_response(422, "invalid_request", f"{where}: {first.get('msg')}".strip(": "), path=path)
+    if isinstance(exc, ClientDisconnect):
+        log.debug("%s %s: the client left during the upload", method, path)
+        return error_response(499, "client_closed_request", "the client closed the connection", path=path)
+    log.exception("%s %s failed", method, path, exc_info=exc)
+    return error_response(500, "internal_error", f"the server failed: {type(exc).__name__}: {exc}", path=path)
 
-    @app.exception_handler(ClientDisconnect)
-    async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
-        log.debug("%s %s: the client left during the upload", request.method, request.url.path)
-        return error_response(499, "client_closed_request", "the client closed the connection", path=request.url.path)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
-        return error_response(500, "internal_error", f"the server failed: {type(exc).__name__}: {exc}",
-                              path=request.url.path)
+HANDLED = (ServiceError, HTTPException, RequestValidationError, ClientDisconnect)
+
+
+def install(app: FastAPI) -> None:
+    """answer_to as FastAPI's handler of each kind of exception."""
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        return answer_to(exc, request.method, request.url.path)
+
+    for kind in (*HANDLED, Exception):
+        app.add_exception_handler(kind, handle)

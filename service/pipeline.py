@@ -181,6 +181,9 @@ class Pipeline:
                 return None
             return SharedIO(place, {name: s.rows(first, len(x), row_bytes[name]) for name, s in outputs.items()})
 
+        if len(batches) == 1:  # (the usual request: no tasks to make and gather)
+            (kind, x), = batches
+            return await self._run(kind, len(x), filler(kind, x), 1, False, in_pool=False, shared=shared(x, 0))
         firsts = [0, len(batches[0][1])]
         runs = [asyncio.ensure_future(self._run(kind, len(x), filler(kind, x), 1, False, in_pool=False,
                                                 shared=shared(x, first)))
@@ -192,8 +195,6 @@ class Pipeline:
                 run.cancel()
             await asyncio.gather(*runs, return_exceptions=True)
             raise
-        if len(done) == 1:
-            return done[0]
         return Results({name: np.concatenate([out.fields[name] for out in done]) for name in done[0].fields},
                        [ms for out in done for ms in out.decode_ms])
 

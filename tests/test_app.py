@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.routing import iter_route_contexts
-from service_process import ROOT, direct_probabilities, photo_bytes
+from service_process import ROOT, direct_probabilities, metric, photo_bytes
 
 from repository import RepositoryError, servable
 from service.app import create_app
@@ -25,11 +25,13 @@ REPO = ROOT / "model_repository"
 JPEG = photo_bytes("chelsea", "JPEG")
 
 
-async def call(app, requests):
-    """Each (method, path, kwargs) through the app in this process, start-up and shut-down included."""
+async def call(app, requests, raise_app_exceptions: bool = True):
+    """Each (method, path, kwargs) through the app in this process, start-up and shut-down included (an exception
+    the app raises after its answer, as uvicorn would log it, raised here too unless told not to)."""
     async with app.router.lifespan_context(app):
         await app.state.pipelines.backend.loaded()
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://vitserve") as client:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+        async with httpx.AsyncClient(transport=transport, base_url="http://vitserve") as client:
             return await asyncio.gather(*(client.request(method, path, **kw) for method, path, kw in requests))
 
 
@@ -92,6 +94,8 @@ class Misbehaving:
     async def run(self, model, records, top_k, jpegs=None, shared=None) -> None:
         if self.behaviour == "overloaded":
             raise overloaded("no room", 7)
+        if self.behaviour == "broken":
+            raise RuntimeError("a bug")
         await asyncio.sleep(3600)
 
     async def close(self) -> None:
@@ -142,6 +146,52 @@ def test_the_default_expression_model_is_a_setting_checked_at_start_up():
     wrong = Settings(model_repository=REPO, warmup_runs=0, default_expression_model="shapes-vit")
     with pytest.raises(RepositoryError, match="VITSERVE_DEFAULT_EXPRESSION_MODEL=shapes-vit is not an expression"):
         asyncio.run(call(create_app(wrong, LocalBackend(wrong, Metrics()), metrics=Metrics()), []))
+
+
+def test_the_hot_routes_answer_as_fastapis_routing_would():
+    """/classify and /v2/.../infer skip FastAPI's routing (hot_routes.py): they are counted under the same route
+    templates, a bad query gets the same 422, errors keep their shapes (an unexpected one is a JSON 500 too), and a
+    method they do not serve is FastAPI's 405."""
+    def infer(path: str) -> tuple[str, str, dict]:
+        return "POST", path, {"json": {"inputs": [{"name": "images", "shape": [1, 96, 96, 3], "datatype": "UINT8",
+                                                   "data": [0] * (96 * 96 * 3)}]}}
+
+    settings = Settings(model_repository=REPO, warmup_runs=0)
+    metrics = Metrics()
+    app = create_app(settings, LocalBackend(settings, metrics), metrics=metrics)
+    photo = {"files": {"file": ("a.jpg", JPEG)}}
+    answers = asyncio.run(call(app, [
+        ("POST", "/classify", {**photo, "params": {"model": "shapes-vit", "top_k": 2}}),
+        ("POST", "/classify", {**photo, "params": {"top_k": 0}}),
+        ("POST", "/classify", {**photo, "params": {"attention": "maybe"}}),
+        ("POST", "/classify", {**photo, "params": {"model": "nope"}}),
+        ("GET", "/classify", {}),
+        infer("/v2/models/shapes-vit/infer"), infer("/v2/models/shapes-vit/versions/1/infer"),
+        infer("/v2/models/nope/infer"), infer("/v2/models/shapes-vit/versions/9/infer")]))
+    ok, zero, maybe, unknown, get, v2, versioned, v2_unknown, v2_version = answers
+    assert ok.status_code == 200 and len(ok.json()["results"][0]["predictions"]) == 2
+    for r, field in ((zero, "query.top_k"), (maybe, "query.attention")):
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
+        assert r.json()["error"]["message"].startswith(f"{field}: "), r.text
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert get.status_code == 405 and get.json()["error"]["code"] == "method_not_allowed"
+    assert v2.status_code == versioned.status_code == 200 and v2.json()["outputs"] == versioned.json()["outputs"]
+    for r in (v2_unknown, v2_version):  # the Open Inference Protocol's error shape under /v2
+        assert r.status_code == 404 and isinstance(r.json()["error"], str), r.text
+    page = asyncio.run(call(app, [("GET", "/metrics", {})]))[0].text
+    counted = {(route, status): metric(page, "vitserve_requests_total", route=route, method="POST", status=status)
+               for route, status in [("/classify", "200"), ("/classify", "422"), ("/classify", "404"),
+                                     ("/v2/models/{name}/infer", "200"), ("/v2/models/{name}/infer", "404"),
+                                     ("/v2/models/{name}/versions/{version_}/infer", "200"),
+                                     ("/v2/models/{name}/versions/{version_}/infer", "404")]}
+    assert counted == {("/classify", "200"): 1, ("/classify", "422"): 2, ("/classify", "404"): 1,
+                       ("/v2/models/{name}/infer", "200"): 1, ("/v2/models/{name}/infer", "404"): 1,
+                       ("/v2/models/{name}/versions/{version_}/infer", "200"): 1,
+                       ("/v2/models/{name}/versions/{version_}/infer", "404"): 1}
+    broken = create_app(settings, Misbehaving("broken"), metrics=Metrics())
+    failed = asyncio.run(call(broken, [("POST", "/classify", photo)], raise_app_exceptions=False))[0]
+    assert failed.status_code == 500 and failed.json()["error"] == {
+        "code": "internal_error", "message": "the server failed: RuntimeError: a bug"}
 
 
 def test_every_upload_route_treats_missing_and_repeated_images_alike():

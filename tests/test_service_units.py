@@ -33,7 +33,7 @@ from service.cache import AttentionCache, AttentionRecord
 from service.decode import decode, decode_size, model_input, resize_and_crop, upload_input
 from service.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
 from service.metrics import Metrics
-from service.middleware import BodyLimit
+from service.middleware import BodyLimit, CancelOnDisconnect
 from service.records import Part, host_inputs, record_dtype, spans, top_k, write_results
 from service.runtime import CPU, CUDA, Runner, graph_batches, open_session, serving_plan
 
@@ -680,3 +680,37 @@ def test_a_gzip_bomb_is_inflated_no_further_than_the_body_limit():
     tracemalloc.stop()
     assert sum(given) <= limit + 1 and peak < 8 * limit, (sum(given), peak)
     assert sent[0]["status"] == 413 and b"decompressed" in sent[1]["body"]
+
+
+def test_a_request_answered_soon_is_never_watched_and_one_that_waits_is_cancelled_once_its_client_leaves():
+    """CancelOnDisconnect watches a request from WATCH_AFTER_S after its body is in: one answered sooner never asks
+    for another message (no watcher was made), one still waiting then hears of the disconnect and is cancelled,
+    and the middleware itself ends normally."""
+    messages, cancelled = [], []
+
+    async def receive():
+        messages.append(None)
+        if len(messages) == 1:
+            return {"type": "http.request", "body": b"x", "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def soon(scope, receive, send):
+        await receive()
+        await asyncio.sleep(0)  # it yields, as sending an answer does: a watcher made at once would run here
+
+    async def waits(scope, receive, send):
+        await receive()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def messages_read(app) -> int:
+        messages.clear()
+        await asyncio.wait_for(CancelOnDisconnect(app)({"type": "http"}, receive, None), 30)
+        await asyncio.sleep(2 * CancelOnDisconnect.WATCH_AFTER_S)  # a watcher left behind would read meanwhile
+        return len(messages)
+
+    assert asyncio.run(messages_read(soon)) == 1 and not cancelled
+    assert asyncio.run(messages_read(waits)) == 2 and cancelled == [True]

@@ -33,6 +33,7 @@ from ..records import kind_of, record_dtype
 from ..settings import Settings
 from ..shared_memory import SharedIO
 from . import ModelStatus, wire
+from .wire import Op
 from .arena import BOARD_SLOTS, Arena, map_records
 from .heartbeat import HEARTBEAT, Heartbeat
 
@@ -119,7 +120,7 @@ class ProcessBackend:
                 self._writer.close()
                 await asyncio.sleep(0.05)
         self.problems = message["problems"]
-        self._writer.write(wire.pack({"op": "board", "board": self._board_path.name}))
+        self._writer.write(wire.pack({"op": Op.BOARD, "board": self._board_path.name}))
         self._set_status(message)
         self._connected = True
         return reader
@@ -158,7 +159,7 @@ class ProcessBackend:
         self._status = {name: ModelStatus(**s) for name, s in message["status"].items()}
         self.generation += 1
         # acknowledged: what this worker routes from now on follows this status (an unload waits for it)
-        self._writer.write(wire.pack({"op": "seen", "generation": message["generation"]}))
+        self._writer.write(wire.pack({"op": Op.SEEN, "generation": message["generation"]}))
         if all(s.settled for s in self._status.values()):
             self._loaded.set()
 
@@ -168,11 +169,11 @@ class ProcessBackend:
             while True:
                 message, arrays = await wire.receive(reader)
                 op = message.get("op")
-                if op == "taken":
+                if op == Op.TAKEN:
                     self._taken(message["frame"])
-                elif op == "done":
+                elif op == Op.DONE:
                     self._done(message["frame"], message["errors"])
-                elif op == "status":
+                elif op == Op.STATUS:
                     self._set_status(message)
                 else:
                     future = self._pending.pop(message["id"])
@@ -324,7 +325,7 @@ class ProcessBackend:
                 outbox.pending.remove(q)
                 self._tell(outbox)
             elif q.frame in self._frames and not self._writer.is_closing():
-                self._writer.write(wire.pack({"op": "cancel", "frame": q.frame, "start": q.lease.start,
+                self._writer.write(wire.pack({"op": Op.CANCEL, "frame": q.frame, "start": q.lease.start,
                                               "count": q.lease.n}))
             raise
 
@@ -348,7 +349,7 @@ class ProcessBackend:
                       "count": np.array([q.lease.n for q in queued], np.int32),
                       "top_k": np.array([q.top_k for q in queued], np.int32)}
             kind = kind_of(arena.records)
-            message = {"op": "run", "frame": key, "model": outbox.model, "kind": kind, "arena": arena.path.name}
+            message = {"op": Op.RUN, "frame": key, "model": outbox.model, "kind": kind, "arena": arena.path.name}
             if any(q.shared is not None for q in queued):
                 message["shared"] = [None if q.shared is None else q.shared.to_wire() for q in queued]
             if kind == "jpeg":
@@ -361,37 +362,37 @@ class ProcessBackend:
         self._tell(outbox)
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
-        _, arrays = await self._ask({"op": "explain", "model": model}, {"image": image})
+        _, arrays = await self._ask({"op": Op.EXPLAIN, "model": model}, {"image": image})
         return [arrays[str(i)] for i in range(len(arrays))]
 
     async def load(self, model: str) -> None:
-        await self._ask({"op": "load", "model": model})
+        await self._ask({"op": Op.LOAD, "model": model})
 
     async def unload(self, model: str) -> None:
-        await self._ask({"op": "unload", "model": model})
+        await self._ask({"op": Op.UNLOAD, "model": model})
 
     async def index(self) -> list[dict]:
-        reply, _ = await self._ask({"op": "index"})
+        reply, _ = await self._ask({"op": Op.INDEX})
         return reply["models"]
 
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        await self._ask({"op": "register_region", "name": name, "key": key, "offset": offset,
+        await self._ask({"op": Op.REGISTER_REGION, "name": name, "key": key, "offset": offset,
                          "byte_size": byte_size})
 
     async def unregister_region(self, name: str) -> None:
-        await self._ask({"op": "unregister_region", "name": name})
+        await self._ask({"op": Op.UNREGISTER_REGION, "name": name})
 
     async def region_status(self, name: str) -> list[dict]:
-        reply, _ = await self._ask({"op": "region_status", "name": name})
+        reply, _ = await self._ask({"op": Op.REGION_STATUS, "name": name})
         return reply["regions"]
 
     async def keep(self, key: str, record: AttentionRecord) -> bool:
         message, arrays = wire.record_to_wire(record)
-        reply, _ = await self._ask({"op": "keep", "key": key, **message}, arrays)
+        reply, _ = await self._ask({"op": Op.KEEP, "key": key, **message}, arrays)
         return reply["kept"]
 
     async def recall(self, key: str) -> AttentionRecord | None:
-        message, arrays = await self._ask({"op": "recall", "key": key})
+        message, arrays = await self._ask({"op": Op.RECALL, "key": key})
         return None if message.get("missing") else wire.record_from_wire(message, arrays)
 
     async def close(self) -> None:

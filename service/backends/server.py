@@ -30,6 +30,7 @@ from ..records import record_dtype
 from ..settings import Settings
 from ..shared_memory import Claim, SharedIO
 from . import wire
+from .wire import Op
 from .arena import BOARD_SLOTS, map_records
 from .device_health import BROKEN_EXIT_STATUS
 from .heartbeat import HEARTBEAT, PULSE_S, Heartbeat
@@ -68,7 +69,7 @@ class InferenceServer:
     def _status_message(self) -> dict:
         """The models, in the order of the workers' boards (a reload's new manifest, a new model last), and their
         status."""
-        return {"op": "status", "generation": self.backend.generation,
+        return {"op": Op.STATUS, "generation": self.backend.generation,
                 "status": {k: dataclasses.asdict(v) for k, v in self.backend.status().items()},
                 "entries": [{"folder": str(e.folder), "manifest": e.manifest} for e in self.backend.entries]}
 
@@ -109,20 +110,20 @@ class InferenceServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         arenas: dict[str, np.ndarray] = {}  # this worker's arenas, mapped on first use
-        writer.write(wire.pack({**self._status_message(), "op": "hello", "problems": self.backend.problems}))
+        writer.write(wire.pack({**self._status_message(), "op": Op.HELLO, "problems": self.backend.problems}))
         self._writers.add(writer)
         board = None
         try:
             while True:
                 message, arrays = await wire.receive(reader)
                 op = message["op"]
-                if op == "run":
+                if op == Op.RUN:
                     self._submit(message, arrays, arenas, writer)
-                elif op == "seen":  # this worker routes by that status from now on
+                elif op == Op.SEEN:  # this worker routes by that status from now on
                     self._seen[writer] = message["generation"]
-                elif op == "cancel":
+                elif op == Op.CANCEL:
                     self._cancel(writer, message)
-                elif op == "board":
+                elif op == Op.BOARD:
                     board = map_records(self.socket_path.parent / message["board"], np.dtype(np.int32), BOARD_SLOTS)
                     self.backend.boards.append(board)
                 else:
@@ -239,7 +240,7 @@ class InferenceServer:
         """The frame's requests are all in batches that started: the worker may send the next."""
         if not frame.taken:
             frame.taken = True
-            self._tell(frame, {"op": "taken", "frame": frame.key})
+            self._tell(frame, {"op": Op.TAKEN, "frame": frame.key})
 
     def _release(self, frame: Frame, answered: bool = False) -> None:
         """The frame's shared memory let go, once the outputs of its requests answered are written there."""
@@ -255,7 +256,7 @@ class InferenceServer:
         self._release(frame, answered=True)
         self._taken(frame)
         self._frames.pop((frame.writer, frame.key), None)
-        self._tell(frame, {"op": "done", "frame": frame.key, "errors": frame.errors})
+        self._tell(frame, {"op": Op.DONE, "frame": frame.key, "errors": frame.errors})
 
     def _track(self, work: Coroutine) -> asyncio.Task:
         """`work` as a task that stopping waits for."""
@@ -279,25 +280,25 @@ class InferenceServer:
 
     async def _handle(self, message: dict, arrays: dict) -> tuple[dict, dict]:
         op, backend = message["op"], self.backend
-        if op == "explain":
+        if op == Op.EXPLAIN:
             layers = await backend.explain(message["model"], arrays["image"])
             return {}, {str(i): layer for i, layer in enumerate(layers)}
-        if op in ("load", "unload"):
+        if op in (Op.LOAD, Op.UNLOAD):
             await getattr(backend, op)(message["model"])
             return {}, {}
-        if op == "index":
+        if op == Op.INDEX:
             return {"models": await backend.index()}, {}
-        if op == "keep":
+        if op == Op.KEEP:
             return {"kept": await backend.keep(message["key"], wire.record_from_wire(message, arrays))}, {}
-        if op == "register_region":
+        if op == Op.REGISTER_REGION:
             await backend.register_region(message["name"], message["key"], message["offset"], message["byte_size"])
             return {}, {}
-        if op == "unregister_region":
+        if op == Op.UNREGISTER_REGION:
             await backend.unregister_region(message["name"])
             return {}, {}
-        if op == "region_status":
+        if op == Op.REGION_STATUS:
             return {"regions": await backend.region_status(message["name"])}, {}
-        if op == "recall":
+        if op == Op.RECALL:
             record = await backend.recall(message["key"])
             return wire.record_to_wire(record) if record is not None else ({"missing": True}, {})
         raise ServiceError(f"unknown operation {op!r}")

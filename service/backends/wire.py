@@ -9,12 +9,48 @@ import asyncio
 import json
 import math
 import struct
+from enum import StrEnum
 
 import numpy as np
 
 from ..cache import AttentionRecord
 
 _SIZES = struct.Struct("<II")  # header bytes, array bytes
+
+
+class Op(StrEnum):
+    """Every message's "op", by who sends it (docs/serving.md draws a request's messages).
+
+    The inference process sends, unasked:
+      HELLO   on connecting: the models, their status and the problems found loading them
+      STATUS  models loaded, reloaded or unloaded: the models and their status, with a generation number
+      TAKEN   a frame's requests are all in batches that started: the worker's next frame for that model may go
+      DONE    a frame's batches have ended: its results are in the records, with the requests that failed
+    A worker sends, unanswered:
+      BOARD   once, after HELLO: the shared-memory file where it counts its requests still decoding, per model
+      SEEN    the status generation it now routes by (an unload waits for every worker's)
+      RUN     a frame: requests whose images are in its arena, as each one's first slot, slot count and top-k
+      CANCEL  a request of a frame given up (client gone, timeout): its slots leave the queue
+    A worker asks, and the reply carries the same "id" (and "error" where it failed):
+      EXPLAIN, LOAD, UNLOAD, INDEX, KEEP, RECALL, REGISTER_REGION, UNREGISTER_REGION, REGION_STATUS
+    """
+    HELLO = "hello"
+    STATUS = "status"
+    TAKEN = "taken"
+    DONE = "done"
+    BOARD = "board"
+    SEEN = "seen"
+    RUN = "run"
+    CANCEL = "cancel"
+    EXPLAIN = "explain"
+    LOAD = "load"
+    UNLOAD = "unload"
+    INDEX = "index"
+    KEEP = "keep"
+    RECALL = "recall"
+    REGISTER_REGION = "register_region"
+    UNREGISTER_REGION = "unregister_region"
+    REGION_STATUS = "region_status"
 
 
 def pack(message: dict, arrays: dict[str, np.ndarray] | None = None) -> bytes:

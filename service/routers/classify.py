@@ -1,8 +1,10 @@
 """POST /classify: one image (`file`) or several (`files`, each its own batch item) -> top-k labels."""
 import time
 import uuid
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
+from pydantic import BaseModel, Field
 
 from ..pipeline import Pipeline, Pipelines, Results
 from ..schemas import ClassifyResponse
@@ -10,6 +12,13 @@ from .responses import json_response
 from .uploads import read_images, upload_body
 
 router = APIRouter(tags=["inference"])
+
+
+class ClassifyQuery(BaseModel):
+    """The query of POST /classify, as FastAPI documents it and routers/hot.py checks it."""
+    model: str | None = Field(None, description="model name (default: the server's default model)")
+    top_k: int = Field(5, ge=1, le=100, description="how many labels per image")
+    attention: bool = Field(False, description="keep the attention maps for GET /attention-map")
 
 
 def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]]:
@@ -30,13 +39,9 @@ def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]
                415: {"description": "not an image"}, 503: {"description": "overloaded or still loading"}},
     openapi_extra=upload_body({"file": "one image (JPEG, PNG, WebP, ...)"}, several="files"),
 )
-async def classify(
-    request: Request,
-    model: str | None = Query(None, description="model name (default: the server's default model)"),
-    top_k: int = Query(5, ge=1, le=100, description="how many labels per image"),
-    attention: bool = Query(False, description="keep the attention maps for GET /attention-map"),
-) -> Response:
+async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -> Response:
     start = time.perf_counter()
+    model, top_k, attention = query.model, query.top_k, query.attention
     pipelines: Pipelines = request.app.state.pipelines
     chosen = pipelines.get(model)  # an unknown or unready model fails before the body is read
     if attention:
