@@ -1,7 +1,9 @@
 """What an upload costs the service on one core before inference: the JPEG decode, then the crop's resample, the
 service's (OpenCV's bilinear warp: service/decode.py model_input) against Pillow's bicubic (resize_and_crop, the
 reference and the service's path until 2026-11-27), and the service's whole path (upload_input: JPEGs decoded by
-simplejpeg straight into numpy since 2026-11-27, the same pixels) against the two before it.
+simplejpeg straight into numpy since 2026-11-27, the same pixels) against the two before it; and the whole path
+of a Hugging Face folder's policy ("HF": resized to exactly size x size with Pillow's bicubic from a full-size decode,
+as its image processor does: docs/export.md#from-hugging-face).
 
     python bench/decode_speed.py
     python bench/decode_speed.py --rounds 50 --size 224 --short-side 249     # DeiT/ViT-B's 224 px input
@@ -46,12 +48,13 @@ def main() -> None:
     args = p.parse_args()
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     policy = InputPolicy((args.size, args.size), args.short_side, "bicubic", (0.5,) * 3, (0.5,) * 3)
+    squash = InputPolicy((args.size, args.size), args.size, "bicubic", (0.5,) * 3, (0.5,) * 3, (args.size,) * 2)
     images = [Image.fromarray(photos.chelsea())] + [Image.fromarray(photos.astronaut()).resize(s, Image.BICUBIC)
                                                      for s in SIZES]
     print(f"one core; input {args.size} px, short side {args.short_side}; ms per image, medians of {args.rounds} "
           "rounds")
     print(f"{'image':>10} {'format':>6} {'KiB':>5} {'decode':>7} {'Pillow resample':>15} {'OpenCV warp':>11} "
-          f"{'Pillow+Pillow':>13} {'Pillow+OpenCV':>13} {'now':>6} {'now / Pillow+Pillow':>19}")
+          f"{'Pillow+Pillow':>13} {'Pillow+OpenCV':>13} {'now':>6} {'now / Pillow+Pillow':>19} {'HF':>6}")
     for image in images:
         for fmt in ("JPEG", "PNG"):
             data = encoded(image, fmt)
@@ -61,7 +64,8 @@ def main() -> None:
                      "opencv": lambda: model_input(photo, policy),
                      "before": lambda: resize_and_crop(decode(data, args.short_side, 10**9).image, policy),
                      "pillow+opencv": lambda: model_input(decode(data, args.short_side, 10**9).image, policy),
-                     "now": lambda: upload_input(data, policy, 10**9)}
+                     "now": lambda: upload_input(data, policy, 10**9),
+                     "hf": lambda: upload_input(data, squash, 10**9)}
             times = {k: [] for k in calls}
             for _ in range(args.rounds):
                 for k in random.sample(list(calls), len(calls)):
@@ -71,7 +75,7 @@ def main() -> None:
             ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
             print(f"{'%dx%d' % image.size:>10} {fmt:>6} {len(data) / 1024:>5.0f} {ms['decode']:>7.2f} "
                   f"{ms['pillow']:>15.2f} {ms['opencv']:>11.2f} {ms['before']:>13.2f} {ms['pillow+opencv']:>13.2f} "
-                  f"{ms['now']:>6.2f} {ms['now'] / ms['before']:>19.2f}")
+                  f"{ms['now']:>6.2f} {ms['now'] / ms['before']:>19.2f} {ms['hf']:>6.2f}")
     headers(images[0], args.rounds)
 
 

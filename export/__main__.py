@@ -7,6 +7,8 @@
 
     python -m export vit_micro_patch8_96 --weights runs/retrained/model.safetensors --name shapes-vit --version next
 
+    python -m export path/to/hugging-face-folder --out model_repository    # config.json, model.safetensors, ...
+
 Writes OUT/NAME/model.onnx, OUT/NAME/explain.onnx (ViT/DeiT: every block's attention, for rollout) and
 OUT/NAME/manifest.json (with --version, into OUT/NAME/N/ instead); `mtcnn` writes the face detector that
 /expression uses (OUT/mtcnn/{pnet,rnet,onet}.onnx, from models/pretrained/mtcnn.safetensors). Progress goes to
@@ -36,8 +38,9 @@ def version_number(text: str) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="a registry name (python -c 'import models; print(models.list_models())'), or "
-                                 "mtcnn: the face detector")
+    p.add_argument("model", help="a registry name (python -c 'import models; print(models.list_models())'), "
+                                 "mtcnn: the face detector, or a Hugging Face transformers folder (ViT, DeiT, Swin: "
+                                 "its config, weights, labels and image processor; docs/export.md)")
     p.add_argument("--weights", type=Path, help="checkpoint: .pth/.pt (timm or official layout) or .safetensors")
     p.add_argument("--random-init", action="store_true", help="export untrained weights (benchmarks, tests)")
     p.add_argument("--replace-head", action="store_true",

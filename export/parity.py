@@ -46,7 +46,7 @@ class GateInputs:
 
 
 def gate_inputs(spec, eval_data: Path | None = None, seed: int = 0) -> GateInputs:
-    size, policy = spec.img_size, (spec.crop_pct, spec.interpolation)
+    size, policy = spec.img_size, (spec.crop_pct, spec.interpolation, spec.resize_to)
     images = [Image.fromarray(getattr(photos, name)()).convert("RGB") for name in PHOTOS]
     pixels = torch.stack([preprocess(im, size, *policy) for im in images])
     noise = torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(seed))

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from models import create_model, get_spec, load_weights
+from models.hf_folder import HFModel, is_folder, read_folder
 from models.swin_transformer import SwinTransformer
 from models.vision_transformer import VisionTransformer
 from repository import versions
@@ -248,6 +249,14 @@ def _explain_graph(model: nn.Module, work: Path, inputs, log: Progress) -> tuple
     return explain.output_names, worst
 
 
+def _resize(spec) -> dict:
+    """The manifest's resize: the short side (aspect kept), or exactly resize_to with its longer side as the least
+    a decoder may reduce the photo to."""
+    if spec.resize_to is None:
+        return {"resize_short_side": round(spec.img_size / spec.crop_pct)}
+    return {"resize_short_side": max(spec.resize_to), "resize_to": list(spec.resize_to)}
+
+
 def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, proto, counts: dict,
               parity: dict, files: dict, explain_outputs: list[str]) -> dict:
     spec, attention = model.spec, _attention_section(model, explain_outputs)
@@ -263,9 +272,8 @@ def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, 
         "task": args.task or spec.task,
         "labels": labels,
         "input": {"name": IMAGES, "dtype": "uint8", "layout": "NHWC", "size": [spec.img_size, spec.img_size],
-                  "resize_short_side": round(spec.img_size / spec.crop_pct), "crop": "center",
-                  "interpolation": spec.interpolation, "mean": list(spec.mean), "std": list(spec.std),
-                  "in_graph": in_graph},
+                  **_resize(spec), "crop": "center", "interpolation": spec.interpolation, "mean": list(spec.mean),
+                  "std": list(spec.std), "in_graph": in_graph},
         "tensor_input": {"name": TENSOR, "dtype": "float32", "layout": "NCHW"},
         "outputs": _outputs(proto),
         **({"attention": attention} if attention else {}),
@@ -287,15 +295,24 @@ def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, 
 
 def export_model(args) -> Path:
     log = Progress()
+    if is_folder(args.model):
+        return _export(args, read_folder(args.model, args.task), log)
     if get_spec(args.model).builder not in (VisionTransformer, SwinTransformer) and args.precision != "fp32":
         raise ExportError(f"{args.model} exports in fp32 only (fp16 and int8 are gated for the transformers)")
-    meta = weights_metadata(args.weights)
-    labels = resolve_labels(args, meta)
-    name = args.name or (args.model if args.precision == "fp32" else f"{args.model}-{args.precision}")
+    return _export(args, None, log)
+
+
+def _export(args, hf: HFModel | None, log: Progress) -> Path:
+    """A registry model (`hf` None: args.model, its --weights and --labels) or a Hugging Face folder's, exported."""
+    meta = weights_metadata(args.weights) if hf is None else {}
+    labels = list(hf.spec.labels) if hf else resolve_labels(args, meta)
+    default = Path(args.model).name if hf else args.model
+    name = args.name or (default if args.precision == "fp32" else f"{default}-{args.precision}")
     target, version = target_folder(args.out, name, args.version)
     with building(target.parent, target.name) as work:
-        log(f"building {args.model} ({len(labels)} classes) from {args.weights or 'random init'}")
-        model = build_model(args, labels, meta)
+        origin = "its folder" if hf else args.weights or "random init"
+        log(f"building {args.model} ({len(labels)} classes) from {origin}")
+        model = hf.build() if hf else build_model(args, labels, meta)
         inputs = gate_inputs(model.spec, args.eval_data)
         proto, counts, parity = _main_graph(model, args.precision, work, inputs, log)
         graphs, explain_outputs = {"model": work / "model.onnx"}, []
@@ -304,6 +321,9 @@ def export_model(args) -> Path:
             graphs["explain"] = work / "explain.onnx"
         files = {kind: mf.file_entry(path) for kind, path in graphs.items()}
         manifest = _manifest(args, name, labels, meta, model, proto, counts, parity, files, explain_outputs)
+        if hf:
+            manifest.update(task=hf.spec.task, source={"huggingface": hf.source,
+                                                        "sha256": {p.name: mf.sha256(p) for p in hf.files}})
         if version is not None:
             manifest["version"] = version
         return publish(work, target, manifest, log)

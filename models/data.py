@@ -59,26 +59,29 @@ def find_splits(data_dir: Path, val_fraction: float, seed: int) -> tuple[list[st
     return labels, train, val
 
 
-def preprocess(image: Image.Image, size: int, crop_pct: float, interpolation: str) -> torch.Tensor:
-    """RGB image -> uint8 [3, size, size]: resize the short side to size / crop_pct, then centre-crop.
+def preprocess(image: Image.Image, size: int, crop_pct: float, interpolation: str,
+               resize_to: tuple[int, int] | None = None) -> torch.Tensor:
+    """RGB image -> uint8 [3, size, size]: resize the short side to size / crop_pct (or to exactly resize_to,
+    (height, width), the aspect not kept), then centre-crop.
 
     The same policy the exporter writes into the manifest and the service applies.
     """
     short = round(size / crop_pct)
     w, h = image.size
     scale = short / min(w, h)
-    image = image.resize((max(short, round(w * scale)), max(short, round(h * scale))),
-                         Image.Resampling[interpolation.upper()])
+    kept = (max(short, round(w * scale)), max(short, round(h * scale)))
+    image = image.resize((resize_to[1], resize_to[0]) if resize_to else kept, Image.Resampling[interpolation.upper()])
     left, top = (image.width - size) // 2, (image.height - size) // 2
     image = image.crop((left, top, left + size, top + size))
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
 
 
-def load_image(path: Path, size: int, crop_pct: float, interpolation: str) -> torch.Tensor:
+def load_image(path: Path, size: int, crop_pct: float, interpolation: str,
+               resize_to: tuple[int, int] | None = None) -> torch.Tensor:
     """Decode, apply the EXIF orientation, convert to RGB and `preprocess`."""
     with Image.open(path) as im:
         image = ImageOps.exif_transpose(im).convert("RGB")
-    return preprocess(image, size, crop_pct, interpolation)
+    return preprocess(image, size, crop_pct, interpolation, resize_to)
 
 
 def normalise(x: torch.Tensor, spec) -> torch.Tensor:
@@ -89,12 +92,14 @@ def normalise(x: torch.Tensor, spec) -> torch.Tensor:
 
 
 class ImageFolder(Dataset):
-    def __init__(self, items: list[tuple[Path, int]], size: int, crop_pct: float = 1.0, interpolation: str = "bicubic"):
+    def __init__(self, items: list[tuple[Path, int]], size: int, crop_pct: float = 1.0, interpolation: str = "bicubic",
+                 resize_to: tuple[int, int] | None = None):
         self.items, self.size, self.crop_pct, self.interpolation = items, size, crop_pct, interpolation
+        self.resize_to = resize_to
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         path, label = self.items[i]
-        return load_image(path, self.size, self.crop_pct, self.interpolation), label
+        return load_image(path, self.size, self.crop_pct, self.interpolation, self.resize_to), label

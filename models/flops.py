@@ -33,7 +33,7 @@ def _patch_embed_macs(model: nn.Module) -> int:
 def _vit_macs(model: VisionTransformer) -> int:
     tokens, dim = model.pos_embed.shape[1], model.embed_dim
     blocks = sum(attention_macs(tokens, dim) + mlp_macs(tokens, dim, b.mlp.fc1.out_features) for b in model.blocks)
-    heads = dim * model.num_classes * (2 if model.distilled else 1)
+    heads = dim * model.num_classes * (1 if model.head_dist is None else 2)
     return _patch_embed_macs(model) + blocks + heads
 
 

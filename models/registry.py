@@ -32,6 +32,7 @@ class ModelSpec:
     std: tuple[float, float, float] = IMAGENET_STD
     crop_pct: float = 0.9  # resize the short side to img_size / crop_pct, then centre-crop img_size
     interpolation: str = "bicubic"
+    resize_to: tuple[int, int] | None = None  # (height, width): resize to exactly this instead, then centre-crop
     timm: bool = True  # timm has a model of this name with exactly these parameter names and shapes
 
 

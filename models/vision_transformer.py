@@ -52,11 +52,11 @@ class Block(nn.Module):
     """Pre-norm transformer encoder block."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
-                 drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0):
+                 drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0, norm_eps: float = 1e-6):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
         self.drop_path = DropPath(drop_path)
 
@@ -70,7 +70,9 @@ class Block(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    """ViT / DeiT classifier; `distilled=True` adds DeiT's distillation token and second head."""
+    """ViT / DeiT classifier; `distilled=True` adds DeiT's distillation token and second head, and with
+    `dist_head=False` the token alone: the classifier reads [CLS] only (transformers' DeiTForImageClassification,
+    what fine-tuning a DeiT there gives). `norm_eps` is every LayerNorm's (timm 1e-6, transformers 1e-12)."""
 
     def __init__(
         self,
@@ -84,6 +86,8 @@ class VisionTransformer(nn.Module):
         mlp_ratio: float = 4.0,
         qkv_bias: bool = True,
         distilled: bool = False,
+        dist_head: bool = True,
+        norm_eps: float = 1e-6,
         drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
@@ -105,13 +109,13 @@ class VisionTransformer(nn.Module):
         self.pos_drop = nn.Dropout(drop_rate)
         rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth grows with depth
         self.blocks = nn.Sequential(*[
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, rates[i])
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, rates[i], norm_eps)
             for i in range(depth)
         ])
-        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes)
-        self.head_dist = nn.Linear(embed_dim, num_classes) if distilled else None
+        self.head_dist = nn.Linear(embed_dim, num_classes) if distilled and dist_head else None
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -127,7 +131,7 @@ class VisionTransformer(nn.Module):
         self.num_classes = num_classes
         self.head = nn.Linear(self.embed_dim, num_classes)
         init_weights(self.head)
-        if self.distilled:
+        if self.head_dist is not None:
             self.head_dist = nn.Linear(self.embed_dim, num_classes)
             init_weights(self.head_dist)
 
@@ -144,7 +148,7 @@ class VisionTransformer(nn.Module):
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         logits = self.head(self.head_drop(x[:, 0]))
-        if not self.distilled:
+        if self.head_dist is None:
             return logits
         logits_dist = self.head_dist(self.head_drop(x[:, 1]))
         if self.distilled_training and self.training:

@@ -1,4 +1,5 @@
-"""How an image becomes the model's input: resize the short side, centre-crop, and (in the graph) normalise.
+"""How an image becomes the model's input: resize the short side (or to exactly a size, the aspect not kept, as
+Hugging Face's ViT and DeiT image processors do), centre-crop, and (in the graph) normalise.
 
 The crop geometry is shared by the service's decoder (which pixels the model sees) and the attention maps
 (where those pixels lie in the photo), so both follow one definition.
@@ -11,18 +12,28 @@ import numpy as np
 @dataclass(frozen=True)
 class InputPolicy:
     size: tuple[int, int]  # (height, width) of the model input
-    resize_short_side: int
+    resize_short_side: int  # with resize_to, its longer side (the side of /expression's aligned face squares)
     interpolation: str
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    resize_to: tuple[int, int] | None = None  # (height, width): resize to exactly this, the aspect not kept
 
     @classmethod
     def from_manifest(cls, section: dict) -> "InputPolicy":
+        resize_to = tuple(section["resize_to"]) if "resize_to" in section else None
         return cls(tuple(section["size"]), section["resize_short_side"], section["interpolation"],
-                   tuple(section["mean"]), tuple(section["std"]))
+                   tuple(section["mean"]), tuple(section["std"]), resize_to)
+
+    @property
+    def draft_side(self) -> int | None:
+        """The short side a JPEG may decode reduced to (DCT scaling, `decode`'s draft mode); None: at full size, as
+        Hugging Face's processors decode, so that their models see the pixels their processor gives."""
+        return self.resize_short_side if self.resize_to is None else None
 
     def resized(self, width: int, height: int) -> tuple[int, int]:
-        """(width, height) after the short side is resized to resize_short_side, the aspect kept."""
+        """(width, height) after the resize: to resize_to, or the short side to resize_short_side, the aspect kept."""
+        if self.resize_to is not None:
+            return self.resize_to[1], self.resize_to[0]
         short = self.resize_short_side
         scale = short / min(width, height)
         return max(short, round(width * scale)), max(short, round(height * scale))

@@ -134,22 +134,24 @@ def upload_input(data: bytes, policy: InputPolicy, max_pixels: int) -> np.ndarra
     if header is None:
         image = _open(data, max_pixels)
         if image.format != "JPEG" or image.mode not in ("RGB", "L"):
-            return model_input(_photo(image, data, policy.resize_short_side).image, policy)
+            return model_input(_photo(image, data, policy.draft_side).image, policy)
         with _decoding():
             header = (*image.size, image.getexif().get(0x0112))
     width, height, orientation = header
-    scale = _draft_scale(width, height, policy.resize_short_side)
+    scale = _draft_scale(width, height, policy.draft_side)
     try:  # the smallest libjpeg-turbo scaling that covers these sizes is 1 / scale
         pixels = simplejpeg.decode_jpeg(data, "RGB", min_height=-(-height // scale), min_width=-(-width // scale))
     except ValueError:  # rare: Pillow decides, its header read once more
-        return model_input(decode(data, policy.resize_short_side, max_pixels).image, policy)
+        return model_input(decode(data, policy.draft_side, max_pixels).image, policy)
     upright = _UPRIGHT.get(orientation)
     return model_input(np.ascontiguousarray(upright(pixels)) if upright else pixels, policy)
 
 
-def _draft_scale(width: int, height: int, side: int) -> int:
+def _draft_scale(width: int, height: int, side: int | None) -> int:
     """The reduction Pillow's JPEG draft mode picks for a requested size of side x side: the largest of 1, 2, 4 and
-    8 that its whole-number ratio allows (JpegImagePlugin.draft)."""
+    8 that its whole-number ratio allows (JpegImagePlugin.draft); 1 without a side."""
+    if side is None:
+        return 1
     ratio = min(width // side, height // side)  # 0 for a photo smaller than the side: no reduction
     return next((scale for scale in (8, 4, 2) if ratio >= scale), 1)
 
@@ -173,6 +175,8 @@ def model_input(image: Image.Image | np.ndarray, policy: InputPolicy) -> np.ndar
     docs/models.md). Where the photo shrinks 2x or more it is first box-reduced by the whole factor, so that every
     pixel still counts (sampling alone would alias)."""
     pillow = isinstance(image, Image.Image)
+    if policy.resize_to is not None:  # a Hugging Face model's: its image processor's own Pillow resize, not near it
+        return np.asarray(resize_and_crop(image if pillow else Image.fromarray(image), policy))
     width, height = image.size if pillow else (image.shape[1], image.shape[0])
     (rw, rh), (left, top, _, _) = policy.resized(width, height), policy.crop(width, height)
     if (k := int(min(width / rw, height / rh))) >= 2:

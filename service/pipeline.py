@@ -91,7 +91,7 @@ class Pipeline:
             for i, data in enumerate(uploads):
                 start = time.perf_counter()
                 if keep:  # the photo itself, for the maps drawn over it
-                    photos.append(decode(data, self.policy.resize_short_side, self.settings.max_image_pixels))
+                    photos.append(decode(data, self.policy.draft_side, self.settings.max_image_pixels))
                     records["image"][i] = model_input(photos[-1].image, self.policy)
                 else:
                     records["image"][i] = upload_input(data, self.policy, self.settings.max_image_pixels)

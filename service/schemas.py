@@ -47,7 +47,8 @@ class ModelInfo(BaseModel):
     labels: list[str]
     input_size: list[int]
     preprocessing: dict = Field(description="what is done to an upload before the model: short side resized to "
-                                            "resize_short_side (interpolation), centre crop of size [h, w], then "
+                                            "resize_short_side (interpolation), or with resize_to [h, w] to exactly "
+                                            "that size (a Hugging Face model's), centre crop of size [h, w], then "
                                             "(x / 255 - mean) / std, which the graph itself does to uint8 `images`")
     precision: str = Field(description="the precision that runs: an fp32 model with an fp16 sibling runs the "
                                        "sibling's graph on CUDA")

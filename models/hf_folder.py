@@ -1,0 +1,258 @@
+"""A Hugging Face transformers folder as a registry model: ViT, DeiT (both heads, or the fine-tuned single head)
+and Swin v1, read without transformers.
+
+    folder/config.json                 the architecture, id2label, layer_norm_eps, hidden_act, problem_type
+    folder/model.safetensors           (or model.safetensors.index.json with its shards, or pytorch_model.bin)
+    folder/preprocessor_config.json    how the images were resized and normalised (ViT/DeiTImageProcessor)
+
+`read_folder` turns it into a `ModelSpec` (the architecture from the config, the labels from id2label, the input
+policy from the image processor) and a state dict in timm's names: q, k and v joined into qkv, the rest renamed
+(the key map: docs/export.md, "From Hugging Face"). Every setting this cannot serve exactly is refused with one
+sentence naming the key and its value, so that a model never answers differently from transformers in silence.
+"""
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .registry import ModelSpec
+from .swin_transformer import SwinTransformer
+from .vision_transformer import VisionTransformer
+from .weights import WeightsError, read_state_dict
+
+# transformers' PILImageResampling values, as the processor's `resample` stores them
+RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+SERVED_RESAMPLE = ("nearest", "bilinear", "bicubic", "lanczos")
+# each processor's defaults where its file leaves a key out (transformers' ViTImageProcessor, DeiTImageProcessor)
+PROCESSOR_DEFAULTS = {
+    "ViTImageProcessor": dict(do_resize=True, size={"height": 224, "width": 224}, resample=2, do_center_crop=False,
+                              do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+                              image_mean=[0.5] * 3, image_std=[0.5] * 3),
+    "DeiTImageProcessor": dict(do_resize=True, size={"height": 256, "width": 256}, resample=3, do_center_crop=True,
+                               crop_size={"height": 224, "width": 224}, do_rescale=True, rescale_factor=1 / 255,
+                               do_normalize=True, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]),
+}
+EXPRESSIONS = {"angry", "anger", "disgust", "disgusted", "fear", "fearful", "happy", "happiness", "sad", "sadness",
+               "surprise", "surprised", "neutral", "contempt"}
+# per block, transformers' module path -> ours (timm's), after q, k and v are joined
+_VIT_BLOCK = {"attention.output.dense": "attn.proj", "layernorm_before": "norm1", "layernorm_after": "norm2",
+              "intermediate.dense": "mlp.fc1", "output.dense": "mlp.fc2"}
+_VIT_EMBEDDINGS = {"cls_token": "cls_token", "distillation_token": "dist_token", "position_embeddings": "pos_embed",
+                   "patch_embeddings.projection": "patch_embed.proj"}
+_SWIN_BLOCK = {**_VIT_BLOCK, "attention.self.relative_position_bias_table": "attn.relative_position_bias_table"}
+
+
+@dataclass(frozen=True)
+class HFModel:
+    spec: ModelSpec
+    state_dict: dict[str, torch.Tensor]  # timm's names, float32
+    source: dict  # for the manifest: where the folder came from
+    files: list[Path]  # the weight files read
+
+    def build(self) -> torch.nn.Module:
+        """The model with the folder's weights, in eval mode, `spec` attached as create_model does."""
+        model = self.spec.builder(img_size=self.spec.img_size, num_classes=self.spec.num_classes, **self.spec.arch)
+        model.spec = self.spec
+        expected = model.state_dict()
+        problems = [f"missing {k}" for k in expected if k not in self.state_dict]
+        problems += [f"unexpected {k}" for k in self.state_dict if k not in expected]
+        problems += [f"{k} is {list(v.shape)} in the folder, {list(expected[k].shape)} in the model"
+                     for k, v in self.state_dict.items() if k in expected and v.shape != expected[k].shape]
+        if problems:
+            raise WeightsError(f"{self.source['folder']}: the weights do not fit the config: {problems[0]}"
+                               + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        model.load_state_dict(self.state_dict)
+        return model.eval()
+
+
+def is_folder(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def read_folder(folder: str | Path, task: str | None = None) -> HFModel:
+    """The folder as a spec and weights in our names; WeightsError naming what cannot be served as it is."""
+    folder = Path(folder)
+    config = _json(folder / "config.json")
+    kind = config.get("model_type")
+    if kind not in ("vit", "deit", "swin"):
+        raise WeightsError(f"{folder}: model_type {kind!r} is not served; ViT, DeiT and Swin (v1) are")
+    _refuse(config.get("hidden_act", "gelu") != "gelu", "hidden_act", config.get("hidden_act"),
+            "only gelu (erf) is served")
+    _refuse(config.get("num_channels", 3) != 3, "num_channels", config.get("num_channels"), "images are RGB")
+    _refuse(config.get("problem_type") == "multi_label_classification", "problem_type",
+            "multi_label_classification", "its sigmoid scores are not served yet (softmax is)")
+    files = weight_files(folder)
+    state = {k: v.float() for path in files for k, v in read_state_dict(path).items()}
+    labels = _labels(config)
+    arch, state = _swin(config, state) if kind == "swin" else _vit(config, state)
+    policy = _policy(folder / "preprocessor_config.json", config["image_size"])
+    name = (config.get("architectures") or [kind])[0]
+    expression = task == "expression" or (task is None and {label.lower() for label in labels} <= EXPRESSIONS)
+    spec = ModelSpec(name, SwinTransformer if kind == "swin" else VisionTransformer, arch,
+                     img_size=config["image_size"], num_classes=len(labels), labels=tuple(labels),
+                     task="expression" if expression else "classification", timm=False, **policy)
+    source = {"folder": str(folder), "model_type": kind, "architectures": config.get("architectures", []),
+              **({"transformers_version": config["transformers_version"]} if "transformers_version" in config else {})}
+    return HFModel(spec, state, source, files)
+
+
+def _refuse(condition: bool, key: str, value, why: str) -> None:
+    if condition:
+        raise WeightsError(f"{key} = {value!r} in the folder's config: {why}")
+
+
+def _json(path: Path) -> dict:
+    if not path.is_file():
+        raise WeightsError(f"{path.parent}: no {path.name}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: not JSON ({e})") from None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """model.safetensors, its shards (model.safetensors.index.json), or pytorch_model.bin."""
+    if (index := folder / "model.safetensors.index.json").is_file():
+        return [folder / shard for shard in sorted(set(_json(index)["weight_map"].values()))]
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / name).is_file():
+            return [folder / name]
+    raise WeightsError(f"{folder}: no model.safetensors or pytorch_model.bin")
+
+
+def _labels(config: dict) -> list[str]:
+    id2label = config.get("id2label") or {}
+    if not id2label:
+        raise WeightsError("the folder's config has no id2label: the classes have no names")
+    indices = sorted(int(i) for i in id2label)
+    if indices != list(range(len(indices))):
+        raise WeightsError(f"id2label's keys are {indices[:5]}..., not 0 to {len(indices) - 1}")
+    return [str(id2label[str(i)]) for i in indices]
+
+
+def _joined(state: dict[str, torch.Tensor], prefix: str, names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
+    """q, k and v at `prefix` + each of `names`, concatenated into one qkv weight (and bias, where they have one)."""
+    out = {"weight": torch.cat([state.pop(f"{prefix}{n}.weight") for n in names])}
+    if f"{prefix}{names[0]}.bias" in state:
+        out["bias"] = torch.cat([state.pop(f"{prefix}{n}.bias") for n in names])
+    return out
+
+
+def _renamed(state: dict[str, torch.Tensor], rules: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """Every key through the first matching (regex, replacement); a key no rule matches is left as it is (and then
+    refused as unexpected by HFModel.build)."""
+    out = {}
+    for key, value in state.items():
+        for pattern, replacement in rules:
+            if re.fullmatch(pattern, key):
+                key = re.sub(pattern, replacement, key)
+                break
+        out[key] = value
+    return out
+
+
+def _vit(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """ViT or DeiT: the architecture's arguments and the state dict in our names."""
+    prefix = next((p for p in ("vit.", "deit.") if any(k.startswith(p) for k in state)), "")
+    state = {k.removeprefix(prefix): v for k, v in state.items()
+             if not k.startswith((f"{prefix}pooler.", f"{prefix}embeddings.mask_token"))}
+    heads = [k for k in ("classifier.weight", "cls_classifier.weight") if k in state]
+    if not heads:
+        raise WeightsError("the folder holds a base model without a classifier (no classifier.weight): "
+                           "fine-tune it for classification first")
+    depth, dim = config["num_hidden_layers"], config["hidden_size"]
+    for i in range(depth):
+        qkv = _joined(state, f"encoder.layer.{i}.attention.attention.", ("query", "key", "value"))
+        state.update({f"blocks.{i}.attn.qkv.{k}": v for k, v in qkv.items()})
+    rules = [(rf"encoder\.layer\.(\d+)\.{re.escape(theirs)}\.(weight|bias)", rf"blocks.\1.{ours}.\2")
+             for theirs, ours in _VIT_BLOCK.items()]
+    rules += [(rf"embeddings\.{re.escape(theirs)}(\.weight|\.bias|)", rf"{ours}\1")
+              for theirs, ours in _VIT_EMBEDDINGS.items()]
+    rules += [(r"layernorm\.(weight|bias)", r"norm.\1"), (r"(cls_)?classifier\.(weight|bias)", r"head.\2"),
+              (r"distillation_classifier\.(weight|bias)", r"head_dist.\1")]
+    distilled = "embeddings.distillation_token" in state
+    arch = dict(patch_size=config["patch_size"], embed_dim=dim, depth=depth, num_heads=config["num_attention_heads"],
+                mlp_ratio=config["intermediate_size"] / dim, qkv_bias=config.get("qkv_bias", True),
+                distilled=distilled, dist_head="distillation_classifier.weight" in state,
+                norm_eps=config.get("layer_norm_eps", 1e-12))
+    return arch, _renamed(state, rules)
+
+
+def _swin(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Swin v1: the architecture's arguments and the state dict in our names (downsampling at the start of the
+    next stage, as the official release and timm place it)."""
+    _refuse(config.get("use_absolute_embeddings", False), "use_absolute_embeddings", True,
+            "absolute position embeddings are not served")
+    _refuse(config.get("layer_norm_eps", 1e-5) != 1e-5, "layer_norm_eps", config.get("layer_norm_eps"),
+            "Swin is served with 1e-5")
+    depths, window = config["depths"], config["window_size"]
+    grid = config["image_size"] // config["patch_size"]
+    for i in range(len(depths)):
+        stage = -(-grid // 2**i)
+        _refuse(stage > window and stage % window, "window_size", window,
+                f"stage {i}'s {stage}x{stage} grid is not a multiple of it, and transformers pads such a grid "
+                "before the shift where this model pads after: pick an image_size whose grids divide")
+    state = {k.removeprefix("swin."): v for k, v in state.items()
+             if not k.endswith(("relative_position_index", "attn_mask")) and not k.startswith("swin.pooler")}
+    if "classifier.weight" not in state:
+        raise WeightsError("the folder holds a base model without a classifier (no classifier.weight): "
+                           "fine-tune it for classification first")
+    for i, depth in enumerate(depths):
+        for j in range(depth):
+            qkv = _joined(state, f"encoder.layers.{i}.blocks.{j}.attention.self.", ("query", "key", "value"))
+            state.update({f"layers.{i}.blocks.{j}.attn.qkv.{k}": v for k, v in qkv.items()})
+    rules = [(rf"encoder\.layers\.(\d+)\.blocks\.(\d+)\.{re.escape(theirs)}(\.weight|\.bias|)",
+              rf"layers.\1.blocks.\2.{ours}\3") for theirs, ours in _SWIN_BLOCK.items()]
+    rules += [(r"embeddings\.patch_embeddings\.projection\.(weight|bias)", r"patch_embed.proj.\1"),
+              (r"embeddings\.norm\.(weight|bias)", r"patch_embed.norm.\1"),
+              (r"layernorm\.(weight|bias)", r"norm.\1"), (r"classifier\.(weight|bias)", r"head.fc.\1")]
+    state = _renamed(state, rules)
+    # transformers ends stage i with the merging that our stage i + 1 begins with
+    state = {re.sub(r"^encoder\.layers\.(\d+)\.downsample", lambda m: f"layers.{int(m[1]) + 1}.downsample", k): v
+             for k, v in state.items()}
+    arch = dict(patch_size=config["patch_size"], window_size=window, embed_dim=config["embed_dim"],
+                depths=tuple(depths), num_heads=tuple(config["num_heads"]), mlp_ratio=config.get("mlp_ratio", 4.0),
+                qkv_bias=config.get("qkv_bias", True))
+    return arch, state
+
+
+def _square(size, key: str) -> tuple[int, int]:
+    """A processor size as (height, width): an integer is a square."""
+    if isinstance(size, int):
+        return size, size
+    if isinstance(size, dict) and {"height", "width"} <= size.keys():
+        return size["height"], size["width"]
+    raise WeightsError(f"{key} = {size!r} in preprocessor_config.json: expected an integer or height and width")
+
+
+def _policy(path: Path, image_size: int) -> dict:
+    """The ModelSpec's input fields (mean, std, interpolation, crop_pct or resize_to) from the image processor."""
+    found = _json(path)
+    kind = re.sub(r"(Fast|Pil)$", "", found.get("image_processor_type", ""))
+    if kind not in PROCESSOR_DEFAULTS:
+        raise WeightsError(f"image_processor_type = {found.get('image_processor_type')!r} in {path.name}: "
+                           f"{' and '.join(PROCESSOR_DEFAULTS)} are served")
+    p = {**PROCESSOR_DEFAULTS[kind], **found}
+    _refuse(not p["do_resize"], "do_resize", False, "the service resizes every photo to the model's input")
+    _refuse(not p["do_rescale"] or abs(p["rescale_factor"] - 1 / 255) > 1e-9, "rescale_factor",
+            p["rescale_factor"] if p["do_rescale"] else None, "pixels are scaled by 1/255 in the graph")
+    interpolation = RESAMPLE.get(p["resample"], str(p["resample"]))
+    _refuse(interpolation not in SERVED_RESAMPLE, "resample", p["resample"],
+            f"{interpolation} is not served; {', '.join(SERVED_RESAMPLE)} are")
+    mean, std = (p["image_mean"], p["image_std"]) if p["do_normalize"] else ([0.0] * 3, [1.0] * 3)
+    fields = dict(mean=tuple(mean), std=tuple(std), interpolation=interpolation)
+    size = p["size"]
+    if isinstance(size, dict) and "shortest_edge" in size:  # the short side, the aspect kept: crop_pct's policy
+        resize = None
+        fields["crop_pct"] = image_size / size["shortest_edge"]
+    else:
+        resize = _square(size, "size")
+        fields.update(resize_to=resize, crop_pct=1.0)
+    out = _square(p["crop_size"], "crop_size") if p["do_center_crop"] else resize
+    if out is None:
+        out = (image_size, image_size)
+    _refuse(out != (image_size, image_size), "crop_size" if p["do_center_crop"] else "size", out,
+            f"the processor gives {out[0]}x{out[1]} images and the model's image_size is {image_size}")
+    return fields
