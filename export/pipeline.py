@@ -322,8 +322,8 @@ def _export(args, hf: HFModel | None, log: Progress) -> Path:
         files = {kind: mf.file_entry(path) for kind, path in graphs.items()}
         manifest = _manifest(args, name, labels, meta, model, proto, counts, parity, files, explain_outputs)
         if hf:
-            manifest.update(task=hf.spec.task, source={"huggingface": hf.source,
-                                                        "sha256": {p.name: mf.sha256(p) for p in hf.files}})
+            manifest.update(task=hf.spec.task, scores=hf.scores, source={
+                "huggingface": hf.source, "sha256": {p.name: mf.sha256(p) for p in hf.files}})
         if version is not None:
             manifest["version"] = version
         return publish(work, target, manifest, log)

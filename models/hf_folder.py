@@ -48,6 +48,7 @@ _SWIN_BLOCK = {**_VIT_BLOCK, "attention.self.relative_position_bias_table": "att
 class HFModel:
     spec: ModelSpec
     state_dict: dict[str, torch.Tensor]  # timm's names, float32
+    scores: str  # softmax, or sigmoid for problem_type multi_label_classification (each label on its own)
     source: dict  # for the manifest: where the folder came from
     files: list[Path]  # the weight files read
 
@@ -81,8 +82,6 @@ def read_folder(folder: str | Path, task: str | None = None) -> HFModel:
     _refuse(config.get("hidden_act", "gelu") != "gelu", "hidden_act", config.get("hidden_act"),
             "only gelu (erf) is served")
     _refuse(config.get("num_channels", 3) != 3, "num_channels", config.get("num_channels"), "images are RGB")
-    _refuse(config.get("problem_type") == "multi_label_classification", "problem_type",
-            "multi_label_classification", "its sigmoid scores are not served yet (softmax is)")
     files = weight_files(folder)
     state = {k: v.float() for path in files for k, v in read_state_dict(path).items()}
     labels = _labels(config)
@@ -95,7 +94,8 @@ def read_folder(folder: str | Path, task: str | None = None) -> HFModel:
                      task="expression" if expression else "classification", timm=False, **policy)
     source = {"folder": str(folder), "model_type": kind, "architectures": config.get("architectures", []),
               **({"transformers_version": config["transformers_version"]} if "transformers_version" in config else {})}
-    return HFModel(spec, state, source, files)
+    scores = "sigmoid" if config.get("problem_type") == "multi_label_classification" else "softmax"
+    return HFModel(spec, state, scores, source, files)
 
 
 def _refuse(condition: bool, key: str, value, why: str) -> None:

@@ -60,6 +60,11 @@ class ModelEntry:
         return self.manifest["labels"]
 
     @property
+    def scores(self) -> str:
+        """softmax (one class per image), or sigmoid (a multi-label classifier: each label scored on its own)."""
+        return self.manifest.get("scores", "softmax")
+
+    @property
     def attention(self) -> dict | None:
         """How its attention maps are made; None for a model without attention outputs (a CNN)."""
         return self.manifest.get("attention")

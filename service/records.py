@@ -164,6 +164,15 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return z / z.sum(axis=-1, keepdims=True)
 
 
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    return 0.5 * (1 + np.tanh(0.5 * logits))  # 1 / (1 + e^-x) without overflow for large negative logits
+
+
+# the manifest's `scores`: how a model's logits become its labels' scores (one class per image, or each label on
+# its own: a multi-label classifier)
+SCORES = {"softmax": softmax, "sigmoid": sigmoid}
+
+
 def top_k(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the k best (indices, scores), best first; ties keep the lower index first."""
     if probs.shape[1] <= 64:  # few classes: one stable sort costs less than a partition and a sort of it
@@ -180,13 +189,14 @@ def top_k(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_results(batch: list[Span], outputs: dict[str, np.ndarray], queue_ms: list[float],
-                  inference_ms: float, input_ms: float = 0.0) -> float:
-    """Each part's rows of every output, softmax and top-k into its records, in the batch's order (images before
-    tensors), `queue_ms` being each part's wait and `input_ms`, `inference_ms` the batch's: one vectorised pass per
-    batch, one numpy call per field and span. Returns the ms it took, which every record gets as its output_ms."""
+                  inference_ms: float, input_ms: float = 0.0, scores: str = "softmax") -> float:
+    """Each part's rows of every output, its scores (SCORES[scores] of the logits) and top-k into its records, in
+    the batch's order (images before tensors), `queue_ms` being each part's wait and `input_ms`, `inference_ms` the
+    batch's: one vectorised pass per batch, one numpy call per field and span. Returns the ms it took, which every
+    record gets as its output_ms."""
     start = time.perf_counter()
     parts = [part for span in batch for part in span.parts]
-    probs = softmax(outputs["logits"].astype(np.float32))
+    probs = SCORES[scores](outputs["logits"].astype(np.float32))
     k = min(max(p.top_k for p in parts), probs.shape[1], MAX_TOP_K)
     index, score = top_k(probs, k)
     waited = np.repeat(np.asarray(queue_ms, np.float32), [p.size for p in parts])

@@ -5,7 +5,8 @@ from pydantic import BaseModel, Field
 class Prediction(BaseModel):
     label: str
     index: int = Field(description="class index in the model's labels")
-    score: float = Field(description="softmax probability")
+    score: float = Field(description="the label's probability: softmax over the labels, or the label's own sigmoid "
+                                     "for a multi-label model (the response's `scores` says which)")
 
 
 class Timings(BaseModel):
@@ -26,7 +27,7 @@ class ImageResult(BaseModel):
 
 class ClassifyResponse(BaseModel):
     model_config = {"json_schema_extra": {"examples": [{
-        "model": "shapes-deit",
+        "model": "shapes-deit", "scores": "softmax",
         "results": [{"id": "3f2b9c0e4d6a4f1b8e7c5a2d9b0c1e3f", "filename": "shape.png",
                      "predictions": [{"label": "star", "index": 3, "score": 0.9731},
                                      {"label": "cross", "index": 4, "score": 0.0112}],
@@ -35,6 +36,8 @@ class ClassifyResponse(BaseModel):
                      "attention_map_url": "/attention-map?id=3f2b9c0e4d6a4f1b8e7c5a2d9b0c1e3f"}]}]}}
 
     model: str
+    scores: str = Field(description="softmax: the scores are one distribution over the labels; sigmoid: a "
+                                    "multi-label model, each label's score on its own")
     results: list[ImageResult]
 
 
@@ -45,6 +48,7 @@ class ModelInfo(BaseModel):
     family: str
     task: str
     labels: list[str]
+    scores: str = Field(description="softmax, or sigmoid for a multi-label model")
     input_size: list[int]
     preprocessing: dict = Field(description="what is done to an upload before the model: short side resized to "
                                             "resize_short_side (interpolation), or with resize_to [h, w] to exactly "

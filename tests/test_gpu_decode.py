@@ -42,15 +42,19 @@ REPO = ROOT / "model_repository"
 
 
 @pytest.mark.parametrize("interpolation", ["bicubic", "bilinear", "lanczos"])
-@pytest.mark.parametrize("size,short", [((96, 96), 96), ((224, 224), 248), ((112, 112), 128)])
-def test_the_matrix_resize_is_pillows_within_one_level(interpolation, size, short):
-    policy = InputPolicy(size, short, interpolation, (0.5,) * 3, (0.5,) * 3)
+@pytest.mark.parametrize("size,short,resize_to", [((96, 96), 96, None), ((224, 224), 248, None),
+                                                  ((112, 112), 128, None),  # and Hugging Face's exact resizes:
+                                                  ((224, 224), 224, (224, 224)), ((224, 224), 288, (256, 288))])
+def test_the_matrix_resize_is_pillows_within_one_level(interpolation, size, short, resize_to):
+    policy = InputPolicy(size, short, interpolation, (0.5,) * 3, (0.5,) * 3, resize_to)
     for name in ("chelsea", "astronaut", "coffee", "rocket"):
         image = Image.fromarray(getattr(photos, name)()).convert("RGB")
         want = np.asarray(resize_and_crop(image, policy)).astype(int)
         got = resize(np.asarray(image), *crop_weights(policy, *image.size)).astype(int)
         assert got.shape == (*size, 3) and np.abs(got - want).max() <= 1, name
-        assert np.abs(got - want).mean() < 0.05  # off by one only where Pillow's fixed-point rounding ties
+        # off by one only where Pillow's fixed-point rounding ties (and, for a squash then a crop, where the crop's
+        # region resized alone, Pillow's here, rounds its edges otherwise than the whole resize the matrix crops)
+        assert np.abs(got - want).mean() < (0.1 if resize_to and resize_to != size else 0.05)
         # a batch of one size, in one pair of products: each image as alone, give or take float sums' order
         flipped = np.asarray(image)[::-1]
         stacked = resize(np.stack([np.asarray(image), flipped]), *crop_weights(policy, *image.size)).astype(int)

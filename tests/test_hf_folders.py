@@ -19,6 +19,7 @@ from service_process import ROOT, photo_bytes, running_service
 
 from export.__main__ import main as export_main
 from models import WeightsError
+from models.data import preprocess
 from models.hf_folder import read_folder
 from repository import InputPolicy, graph_inputs
 from service.decode import upload_input
@@ -45,6 +46,9 @@ FOLDERS = {
              transformers.SwinConfig(image_size=224, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
                                      window_size=7, id2label=LABELS),
              transformers.ViTImageProcessor(size={"height": 224, "width": 224}), torch.float32),
+    "vit-multi-label": (transformers.ViTForImageClassification,
+                        transformers.ViTConfig(**VIT, id2label=LABELS, problem_type="multi_label_classification"),
+                        transformers.ViTImageProcessor(), torch.float32),
     "faces-vit": (transformers.ViTForImageClassification, transformers.ViTConfig(**VIT, id2label=FACES),
                   transformers.ViTImageProcessor(size=224), torch.float32),
 }
@@ -91,8 +95,9 @@ def test_a_folder_answers_a_photo_as_transformers_does_with_its_labels_and_prepr
     manifest = json.loads((entry / "manifest.json").read_text())
     assert manifest["labels"] == list(FOLDERS[name][1].id2label.values())
     assert manifest["task"] == ("expression" if name == "faces-vit" else "classification")
+    assert manifest["scores"] == ("sigmoid" if name == "vit-multi-label" else "softmax")
     assert manifest["source"]["huggingface"]["folder"] == str(folder)
-    policy = InputPolicy.from_manifest(manifest["input"])
+    policy, spec = InputPolicy.from_manifest(manifest["input"]), read_folder(folder).spec
     session = ort.InferenceSession(entry / "model.onnx", providers=["CPUExecutionProvider"])
     for photo in PHOTOS:
         jpeg = photo_bytes(photo, "JPEG", quality=90)
@@ -103,6 +108,9 @@ def test_a_folder_answers_a_photo_as_transformers_does_with_its_labels_and_prepr
         theirs = np.rint((pixel_values[0].transpose(1, 2, 0) * policy.std + policy.mean) * 255)
         ours = upload_input(jpeg, policy, 10**8)
         assert np.abs(ours - theirs).max() <= (1 if "deit" in name else 0)
+        training = preprocess(Image.open(io.BytesIO(jpeg)).convert("RGB"), spec.img_size, spec.crop_pct,
+                              spec.interpolation, spec.resize_to)  # the export's gate and models.train's reference
+        assert np.abs(training.permute(1, 2, 0).numpy() - theirs).max() <= (1 if "deit" in name else 0)
         got = session.run(["logits"], graph_inputs(ours[None]))[0]
         np.testing.assert_allclose(got, want, atol=1e-3)
         assert got.argmax() == want.argmax()
@@ -113,12 +121,15 @@ def test_the_folders_are_served_with_their_own_labels_maps_and_faces(folders):
     with running_service(model_repository=str(folders / "repository"), default_model="vit",
                          default_expression_model="faces-vit") as url:
         client = triton.InferenceServerClient(url=url.removeprefix("http://"))
-        for name in ("vit", "deit-with-teacher", "swin"):
+        for name in ("vit", "deit-with-teacher", "swin", "vit-multi-label"):
             pixel_values, want = transformers_logits(folders / "hf" / name, jpeg)
-            probs = np.exp(want[0] - want[0].max()) / np.exp(want[0] - want[0].max()).sum()
+            scores = "sigmoid" if name == "vit-multi-label" else "softmax"
+            logits = torch.from_numpy(want[0])
+            probs = (logits.sigmoid() if scores == "sigmoid" else logits.softmax(0)).numpy()
             response = httpx.post(f"{url}/classify", params={"model": name, "top_k": 4, "attention": "true"},
                                   files={"file": ("chelsea.jpg", jpeg)}, timeout=60)
             assert response.status_code == 200, response.text
+            assert response.json()["scores"] == scores
             [result] = response.json()["results"]
             assert [p["label"] for p in result["predictions"]] == [LABELS[i] for i in np.argsort(-probs)]
             np.testing.assert_allclose([p["score"] for p in result["predictions"]], np.sort(probs)[::-1], atol=1e-4)
@@ -138,7 +149,6 @@ def test_the_folders_are_served_with_their_own_labels_maps_and_faces(folders):
 REFUSALS = [
     ("config.json", {"hidden_act": "gelu_new"}, "hidden_act = 'gelu_new'"),
     ("config.json", {"model_type": "swinv2"}, "model_type 'swinv2' is not served"),
-    ("config.json", {"problem_type": "multi_label_classification"}, "problem_type = 'multi_label_classification'"),
     ("config.json", {"id2label": {}}, "no id2label"),
     ("preprocessor_config.json", {"resample": 4}, "resample = 4"),
     ("preprocessor_config.json", {"size": {"height": 256, "width": 256}}, "gives 256x256 images"),

@@ -126,7 +126,8 @@ class LocalBackend(ModelLifecycle):
             fail_rows(parts, {row: ServiceError(f"inference failed on this image: {type(e).__name__}: {e}",
                                                 "inference_failed") for row, e in failed.items()})
             elapsed = time.perf_counter() - gathered
-            output_ms = write_results(batch, outputs, queue_ms, elapsed * 1e3, (gathered - start) * 1e3)
+            output_ms = write_results(batch, outputs, queue_ms, elapsed * 1e3, (gathered - start) * 1e3,
+                                      self.by_key[graph].scores)
             observe(sum(p.size for p in parts), (gathered - start, elapsed, output_ms / 1e3))
             return elapsed
 

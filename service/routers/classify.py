@@ -61,4 +61,4 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
             "timings_ms": {"decode_ms": decode_ms, "queue_ms": queue_ms, "inference_ms": inference_ms,
                            "total_ms": total_ms},
             "attention_map_url": f"/attention-map?id={key}" if key else None})
-    return json_response({"model": pipeline.name, "results": results})
+    return json_response({"model": pipeline.name, "scores": pipeline.entry.scores, "results": results})

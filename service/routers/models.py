@@ -13,7 +13,7 @@ def model_info(pipeline: Pipeline, status: ModelStatus) -> ModelInfo:
     m = pipeline.entry.manifest
     return ModelInfo(
         name=pipeline.name, version=pipeline.entry.version, architecture=m["architecture"], family=m["family"],
-        task=m["task"], labels=m["labels"],
+        task=m["task"], labels=m["labels"], scores=pipeline.entry.scores,
         input_size=m["input"]["size"], preprocessing=pipeline.entry.preprocessing,
         precision=status.precision or m["precision"], provider=status.provider,
         graph=status.graph, decode=status.decode, decode_reason=status.decode_reason, ready=status.ready,
