@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import cv2
 import numpy as np
+import pi_heif
 import simplejpeg
 from PIL import Image, UnidentifiedImageError
 
@@ -41,6 +42,9 @@ _TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
 _WARP = {"nearest": cv2.INTER_NEAREST, "bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_LINEAR,
          "lanczos": cv2.INTER_LINEAR}
 cv2.setNumThreads(1)  # one image a call, from many decode threads: OpenCV's own pool would oversubscribe
+# HEIC/HEIF (an iPhone's photos) opened by Pillow as its own formats are: the header read first, so the pixel limit
+# holds before any decoding; libheif turns the image upright (its irot/imir) and sets the EXIF orientation to 1
+pi_heif.register_heif_opener()
 
 
 @dataclass
@@ -71,7 +75,8 @@ def _decoding():
     except Image.DecompressionBombError as e:
         raise TooLarge(str(e), "image_too_large") from None
     except UnidentifiedImageError:
-        raise UnsupportedMedia("not an image this server can decode (JPEG, PNG, WebP, GIF, BMP, TIFF)") from None
+        raise UnsupportedMedia("not an image this server can decode (JPEG, PNG, WebP, HEIC, AVIF, GIF, BMP, "
+                               "TIFF)") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise BadInput(f"the image could not be decoded: {e}", "bad_image") from None
 

@@ -15,7 +15,7 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from repository import ModelEntry, RepositoryError, face_detector
 from .backends import Backend
 from .cache import AttentionRecord
 from .decode import Photo, decode, decode_size, model_input, upload_input
-from .errors import BadInput, NotFound, TooLarge, Unavailable, overloaded
+from .errors import BadInput, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia, overloaded
 from .faces import DetectorSettings, FaceDetector, Faces, align
 from .gpu_decode import is_jpeg
 from .metrics import Metrics
@@ -40,11 +40,17 @@ log = logging.getLogger("vitserve")
 @dataclass
 class Results:
     """One request's images: their results by record field (outputs, probs, top_index, top_score, timings), each
-    image's decode time and, when kept for attention maps, the decoded photos and the model inputs."""
+    image's decode time and, when kept for attention maps, the decoded photos and the model inputs; and the images
+    that could not be read, by index, each with its error (their rows ran as zeros and mean nothing)."""
     fields: dict[str, np.ndarray]
     decode_ms: list[float]
-    photos: list[Photo] | None = None
+    photos: list[Photo | None] | None = None
     inputs: np.ndarray | None = None
+    errors: dict[int, ServiceError] = field(default_factory=dict)
+
+
+# what one upload of several can fail with alone: the others are still answered (BadInput covers bad_image)
+IMAGE_ERRORS = (BadInput, TooLarge, UnsupportedMedia)
 
 
 def counted(method):
@@ -82,23 +88,38 @@ class Pipeline:
     @counted
     async def images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False) -> Results:
         """Each upload decoded into one image record and run; where the backend decodes JPEGs on the GPU (and no
-        photo is kept for a map), JPEGs go there undecoded."""
+        photo is kept for a map), JPEGs go there undecoded. An upload that cannot be read fails alone (in
+        Results.errors) where others can be answered; where none can, its error is the request's."""
         if not keep and self.backend.status()[self.key].decode == "gpu" and all(map(is_jpeg, uploads)):
-            return await self._jpegs(uploads, top_k)
+            try:
+                return await self._jpegs(uploads, top_k)
+            except IMAGE_ERRORS:
+                if len(uploads) == 1:
+                    raise  # one of several failed on the GPU: the CPU then tells which (rare)
+        errors: dict[int, ServiceError] = {}
 
-        def fill(records: np.ndarray) -> tuple[list[float], list[Photo] | None]:
+        def fill(records: np.ndarray) -> tuple[list[float], list[Photo | None] | None]:
             decode_ms, photos = [], []
             for i, data in enumerate(uploads):
                 start = time.perf_counter()
-                if keep:  # the photo itself, for the maps drawn over it
-                    photos.append(decode(data, self.policy.draft_side, self.settings.max_image_pixels))
-                    records["image"][i] = model_input(photos[-1].image, self.policy)
-                else:
-                    records["image"][i] = upload_input(data, self.policy, self.settings.max_image_pixels)
+                try:
+                    if keep:  # the photo itself, for the maps drawn over it
+                        photos.append(decode(data, self.policy.draft_side, self.settings.max_image_pixels))
+                        records["image"][i] = model_input(photos[-1].image, self.policy)
+                    else:
+                        records["image"][i] = upload_input(data, self.policy, self.settings.max_image_pixels)
+                except IMAGE_ERRORS as e:
+                    if len(errors) + 1 == len(uploads):
+                        raise
+                    errors[i], records["image"][i] = e, 0
+                    if keep and len(photos) == i:  # (not decoded)
+                        photos.append(None)
                 decode_ms.append(self._decoded(start))
             return decode_ms, photos if keep else None
 
-        return await self._run("image", len(uploads), fill, top_k, keep)
+        out = await self._run("image", len(uploads), fill, top_k, keep)
+        out.errors = errors
+        return out
 
     async def _jpegs(self, uploads: list[bytes], top_k: int) -> Results:
         def check(records: np.ndarray) -> tuple[list[float], None]:
@@ -256,7 +277,10 @@ class Pipeline:
                                out.inputs[i].copy(), backdrop, tuple(photo.size))
 
     async def keep(self, out: Results, i: int) -> str | None:
-        """Store image i's attention result for GET /attention-map: its id, or None if it does not fit."""
+        """Store image i's attention result for GET /attention-map: its id, or None if it does not fit (or the image
+        could not be read)."""
+        if i in out.errors:
+            return None
         key = uuid.uuid4().hex
         return key if await self.backend.keep(key, self.record(out, i)) else None
 

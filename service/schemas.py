@@ -25,6 +25,13 @@ class ImageResult(BaseModel):
     attention_map_url: str | None = None
 
 
+class ImageError(BaseModel):
+    """One upload of several that could not be read; the others are answered beside it."""
+    filename: str | None
+    error: dict[str, str] = Field(description="code (bad_image, image_too_large, unsupported_media_type) and message, "
+                                              "as a whole request's error would say them")
+
+
 class ClassifyResponse(BaseModel):
     model_config = {"json_schema_extra": {"examples": [{
         "model": "shapes-deit", "scores": "softmax",
@@ -38,7 +45,8 @@ class ClassifyResponse(BaseModel):
     model: str
     scores: str = Field(description="softmax: the scores are one distribution over the labels; sigmoid: a "
                                     "multi-label model, each label's score on its own")
-    results: list[ImageResult]
+    results: list[ImageResult | ImageError] = Field(description="one entry per uploaded file, in order: its "
+                                                               "predictions, or its error where it alone failed")
 
 
 class ModelInfo(BaseModel):

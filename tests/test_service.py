@@ -1,5 +1,6 @@
 """End to end: the real server on a loopback port, the embedded model repository, real photographs."""
 import asyncio
+import io
 import json
 import os
 import re
@@ -12,8 +13,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.http as triton
+from PIL import Image
 from service_process import (ROOT, direct_probabilities, metric, model_pixels, photo_bytes, process_metrics,
                              running_service)
+
+from skimage import data as photos
 
 from repository import graph_inputs
 
@@ -55,6 +59,41 @@ def test_several_files_are_separate_items_of_one_batch(url):
     assert [x["filename"] for x in results] == ["a.jpg", "b.png", "c.jpg"]
     assert results[0]["predictions"] == results[2]["predictions"]  # the same photo, the same answer
     assert all(x["batch_size"] >= 3 for x in results)
+
+
+def test_a_file_of_several_that_cannot_be_read_gets_its_own_error_and_the_others_their_answers(url):
+    alone = classify(url, ("a.jpg", JPEG), top_k=2).json()["results"][0]["predictions"]
+    for attention in ("false", "true"):  # the hot path (upload_input) and the one that keeps photos for maps
+        r = classify(url, ("a.jpg", JPEG), ("cut.jpg", JPEG[: len(JPEG) // 3]), ("notes.txt", b"just text"),
+                     ("c.png", PNG), field="files", top_k=2, attention=attention)
+        assert r.status_code == 200, r.text
+        a, cut, notes, c = r.json()["results"]
+        assert a["filename"] == "a.jpg" and a["predictions"] == alone and c["filename"] == "c.png"
+        assert cut["filename"] == "cut.jpg" and set(cut) == {"filename", "error"}
+        assert cut["error"]["code"] == "bad_image" and "could not be decoded" in cut["error"]["message"]
+        assert notes["error"]["code"] == "unsupported_media_type" and "predictions" not in notes
+        assert (a["attention_map_url"] is not None) == (attention == "true")
+        if attention == "true":
+            assert httpx.get(url + c["attention_map_url"], timeout=30).status_code == 200
+    every = classify(url, ("cut.jpg", JPEG[: len(JPEG) // 3]), ("notes.txt", b"just text"), field="files")
+    assert every.status_code in (400, 415) and every.json()["error"]["code"] in ("bad_image", "unsupported_media_type")
+
+
+def test_an_iphone_heic_and_an_avif_are_classified_as_their_jpeg_twin(url):
+    """tests/reference/chelsea_iphone.heic: the photo stored turned, with the turn to show it upright in the file."""
+    heic = (ROOT / "tests" / "reference" / "chelsea_iphone.heic").read_bytes()
+    buf = io.BytesIO()
+    Image.fromarray(photos.chelsea()).save(buf, "AVIF", quality=80)
+    labels = len(json.loads((REPO / httpx.get(f"{url}/models").json()["default_model"] / "manifest.json")
+                            .read_text())["labels"])
+    by_label = lambda r: {p["label"]: p["score"] for p in r.json()["results"][0]["predictions"]}  # noqa: E731
+    twin = by_label(classify(url, ("chelsea.jpg", JPEG), top_k=labels))
+    for name, data in (("chelsea.heic", heic), ("chelsea.avif", buf.getvalue())):
+        r = classify(url, (name, data), top_k=labels)
+        assert r.status_code == 200, r.text
+        scores = by_label(r)
+        assert max(scores, key=scores.get) == max(twin, key=twin.get)
+        assert max(abs(scores[k] - twin[k]) for k in twin) < 0.05, (name, scores, twin)
 
 
 def test_scores_equal_a_direct_onnx_runtime_session(url):

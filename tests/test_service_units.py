@@ -110,6 +110,17 @@ def test_exif_orientation_is_applied_and_the_upright_size_reported():
     assert top[0] > 200 and bottom[2] < 60 and bottom[0] < 60  # the red half turned to the top
 
 
+def test_an_iphone_heic_decodes_upright_once_and_its_pixels_are_counted_from_its_header():
+    heic = (Path(__file__).parent / "reference" / "chelsea_iphone.heic").read_bytes()  # stored turned (irot, EXIF 6)
+    assert decode_size(heic, 10**8) == (451, 300)
+    with pytest.raises(TooLarge, match="451x300"):
+        upload_input(heic, POLICY, 451 * 300 - 1)
+    photo = decode(heic, None, 10**8)
+    assert photo.size == photo.image.size == (451, 300)  # turned by libheif, and not once more by its EXIF
+    assert np.abs(np.asarray(photo.image, np.int16) - photos.chelsea()).mean() < 3  # HEVC at quality 60
+    np.testing.assert_array_equal(upload_input(heic, POLICY, 10**8), model_input(photo.image, POLICY))
+
+
 def test_a_damaged_exif_directory_still_decodes_upright():
     """A text where a resolution (a RATIONAL) should be: Pillow reads the directory, and its exif_transpose failed
     writing it back (TypeError: a 500). The photo is turned by its orientation, and the directory left alone."""

@@ -33,7 +33,8 @@ def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]
     summary="Classify one or several images",
     description="Multipart upload: one image as `file`, or several as `files` (each its own batch item). "
                 "Example: `curl -F file=@cat.jpg 'localhost:8000/classify?top_k=5'`.",
-    responses={400: {"description": "no image, or an image that cannot be decoded"},
+    responses={400: {"description": "no image, or an image that cannot be decoded (of several, only where none "
+                                    "can: the others are answered, and it gets an `error` of its own)"},
                404: {"description": "unknown model"}, 413: {"description": "upload or image too large, or more images "
                                                                   "than the limit or the model's queue holds"},
                415: {"description": "not an image"}, 503: {"description": "overloaded or still loading"}},
@@ -55,6 +56,9 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
     results = []
     for i, ((filename, _), best, (decode_ms, queue_ms, inference_ms, batch)) in enumerate(
             zip(uploads, predictions(pipeline, out, top_k), timings)):
+        if (error := out.errors.get(i)) is not None:  # this file alone could not be read
+            results.append({"filename": filename, "error": {"code": error.code, "message": error.message}})
+            continue
         key = await pipeline.keep(out, i) if attention else None
         results.append({
             "id": key or uuid.uuid4().hex, "filename": filename, "predictions": best, "batch_size": batch,
