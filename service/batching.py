@@ -48,6 +48,7 @@ class Entry:
     left: int  # rows without results yet
     kind: str = ""
     errors: dict[int, Exception] = field(default_factory=dict)
+    batches: set[asyncio.Task] = field(default_factory=set)  # the started batches that hold some of its rows
 
 
 # runs one batch in the executor: (parts, each part's queue ms) -> inference seconds
@@ -190,11 +191,14 @@ class Batcher:
         self._depth_told = True
         self._depth_gauge.set(self.depth)
 
-    async def settled(self) -> None:
-        """Every batch started so far has finished. An entry cancelled before this is awaited has nothing left that
-        writes into its records (the batch being gathered leaves it out), so they may be reused."""
-        if self._running:
-            await asyncio.wait(set(self._running))  # not gather: cancelling the caller must not cancel batches
+    async def settled(self, entry: Entry | None = None) -> None:
+        """Every batch started so far has finished (with an entry: every one that holds some of its rows; the
+        others write into other records). An entry cancelled before this is awaited has nothing left that writes
+        into its records (the batch being gathered leaves it out), so they may be reused: a request cancelled in
+        the queue (its client gone, its deadline past) is answered at once, not when the running batch ends."""
+        running = self._running if entry is None else entry.batches & self._running
+        if running:
+            await asyncio.wait(set(running))  # not gather: cancelling the caller must not cancel batches
 
     async def drained(self) -> None:
         """Nothing is queued, gathered, running or on its way (decoding here or in other processes)."""
@@ -262,6 +266,8 @@ class Batcher:
                 self._slots.release()
                 continue
             task = asyncio.get_running_loop().create_task(self._run(taken))
+            for entry, _ in taken:
+                entry.batches.add(task)
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 

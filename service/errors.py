@@ -39,8 +39,13 @@ class Unavailable(ServiceError):
     code = "unavailable"
 
 
+class DeadlineExceeded(ServiceError):
+    """The request's own deadline (service/deadline.py) passed before it was answered."""
+    code = "deadline_exceeded"
+
+
 KINDS = {cls.__name__: cls for cls in (ServiceError, BadInput, NotFound, TooLarge, UnsupportedMedia, Forbidden,
-                                       Unavailable)}
+                                       Unavailable, DeadlineExceeded)}
 
 
 def overloaded(message: str, retry_after_s: int) -> Unavailable:

@@ -25,7 +25,9 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from .errors import BadInput, Forbidden, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
+from .deadline import set_deadline
+from .errors import (BadInput, DeadlineExceeded, Forbidden, NotFound, ServiceError, TooLarge, Unavailable,
+                     UnsupportedMedia)
 from .metrics import Metrics
 from .open_inference import (check_load_parameters, check_shared_tensors, extensions, find_model, model_config,
                              model_inputs, model_outputs, repository_index, require_model_control, served_metadata,
@@ -46,7 +48,7 @@ class Unauthenticated(ServiceError):
 STATUS = {BadInput: grpc.StatusCode.INVALID_ARGUMENT, UnsupportedMedia: grpc.StatusCode.INVALID_ARGUMENT,
           NotFound: grpc.StatusCode.NOT_FOUND, TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
           Unavailable: grpc.StatusCode.UNAVAILABLE, Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-          Forbidden: grpc.StatusCode.PERMISSION_DENIED}
+          Forbidden: grpc.StatusCode.PERMISSION_DENIED, DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED}
 SERVICE = "inference.GRPCInferenceService"
 RPCS = {  # each method's request and response messages
     "ServerLive": (pb.ServerLiveRequest, pb.ServerLiveResponse),
@@ -202,7 +204,7 @@ class InferenceService:
 
     @rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
-        return await self.infer(request, peer_host(context.peer()))
+        return await self.infer(request, peer_host(context.peer()), context.time_remaining())
 
     @rpc
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context) -> pb.RepositoryIndexResponse:
@@ -259,8 +261,15 @@ class InferenceService:
         finally:
             reader.cancel()
 
-    async def infer(self, request: pb.ModelInferRequest, host: str | None) -> pb.ModelInferResponse:
-        """ModelInfer's answer to a client (its address, as peer_host gives it)."""
+    async def infer(self, request: pb.ModelInferRequest, host: str | None, call_s: float | None = None
+                    ) -> pb.ModelInferResponse:
+        """ModelInfer's answer to a client (its address, as peer_host gives it), within the call's deadline
+        (`call_s` seconds left) and the request's `timeout` parameter (µs, Triton's), the sooner."""
+        timeout_us = parameters(request.parameters).get("timeout")
+        if timeout_us is not None and (not isinstance(timeout_us, int) or timeout_us < 1):
+            raise BadInput(f"parameter timeout {timeout_us!r}: a whole number of microseconds, at least 1")
+        limits = [s for s in (call_s, timeout_us and timeout_us / 1e6) if s is not None]
+        set_deadline(time.perf_counter(), min(limits, default=None))
         pipeline = self.pipelines.get(request.model_name, version=request.model_version)
         places = [requested_slice(parameters(t.parameters), f"input {t.name!r}") for t in request.inputs]
         sent = [i for i, place in enumerate(places) if place is None]  # the inputs whose values travel here

@@ -10,11 +10,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from .errors import BadInput, Forbidden, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia
+from .errors import (BadInput, DeadlineExceeded, Forbidden, NotFound, ServiceError, TooLarge, Unavailable,
+                     UnsupportedMedia)
 
 log = logging.getLogger("vitserve")
 
-STATUS = {BadInput: 400, Forbidden: 403, NotFound: 404, TooLarge: 413, UnsupportedMedia: 415, Unavailable: 503}
+STATUS = {BadInput: 400, Forbidden: 403, NotFound: 404, TooLarge: 413, UnsupportedMedia: 415, Unavailable: 503,
+          DeadlineExceeded: 504}
 
 
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,

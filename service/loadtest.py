@@ -121,14 +121,16 @@ def classify_requests(images: list[tuple[str, bytes]], params: dict, files_per_r
     return send
 
 
-def v2_body(name: str, x: np.ndarray, binary_outputs: bool = True) -> tuple[bytes, dict[str, str]]:
+def v2_body(name: str, x: np.ndarray, binary_outputs: bool = True, parameters: dict | None = None
+            ) -> tuple[bytes, dict[str, str]]:
     """A KServe v2 infer body with the batch `x` as input `name` in the binary tensor extension (tritonclient's
-    encoding), and its headers; outputs asked for in binary too, unless `binary_outputs` is off."""
+    encoding), and its headers; outputs asked for in binary too, unless `binary_outputs` is off; `parameters`: the
+    request's others (Triton's `timeout`, say)."""
     datatype = DATATYPES[x.dtype]
     blob = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<")).tobytes()
     header = json.dumps({"inputs": [{"name": name, "datatype": datatype, "shape": list(x.shape),
                                      "parameters": {"binary_data_size": len(blob)}}],
-                         "parameters": {"binary_data_output": binary_outputs}}).encode()
+                         "parameters": {"binary_data_output": binary_outputs, **(parameters or {})}}).encode()
     return header + blob, {"Inference-Header-Content-Length": str(len(header)),
                            "Content-Type": "application/octet-stream"}
 

@@ -64,6 +64,11 @@ class Metrics:
         self.model_request_seconds = Counter("vitserve_model_request_seconds", "time those requests took, from "
                                              "reaching the model's pipeline to their results",
                                              ["model", "version", "outcome"], registry=r)
+        self.response_cache = Counter("vitserve_response_cache", "uploads looked up in the response cache, by "
+                                      "outcome (hit, miss)", ["model", "version", "outcome"], registry=r)
+        self.response_cache_seconds = Counter("vitserve_response_cache_seconds", "time those lookups took (hashing "
+                                              "the uploads included), shared evenly among them",
+                                              ["model", "version", "outcome"], registry=r)
         self.model_inferences = Counter("vitserve_model_inferences", "images (batch rows) run for a model version's "
                                         "successful requests", ["model", "version"], registry=r)
         self.model_phase_seconds = Counter("vitserve_model_phase_seconds", "time successful requests spent in each "
@@ -129,6 +134,16 @@ class RequestObserver:
         self._seconds = {o: metrics.model_request_seconds.labels(model, version, o) for o in ("success", "fail")}
         self._rows = metrics.model_inferences.labels(model, version)
         self._phases = [(metrics.model_phase_seconds.labels(model, version, p), PHASE_FIELDS[p]) for p in PHASES]
+        self._cache = {o: (metrics.response_cache.labels(model, version, o),
+                           metrics.response_cache_seconds.labels(model, version, o)) for o in ("hit", "miss")}
+
+    def looked_up(self, hits: int, misses: int, seconds: float) -> None:
+        """A request's uploads looked up in the response cache."""
+        for outcome, n in (("hit", hits), ("miss", misses)):
+            if n:
+                count, time_spent = self._cache[outcome]
+                count.inc(n)
+                time_spent.inc(seconds * n / (hits + misses))
 
     def failed(self, seconds: float) -> None:
         self._count["fail"].inc()

@@ -23,12 +23,14 @@ from repository import ModelEntry, RepositoryError, face_detector
 
 from .backends import Backend
 from .cache import AttentionRecord
+from .deadline import check_deadline, expired, request_deadline
 from .decode import Photo, decode, decode_size, model_input, upload_input
 from .errors import BadInput, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia, overloaded
 from .faces import DetectorSettings, FaceDetector, Faces, align
 from .gpu_decode import is_jpeg
 from .metrics import Metrics
 from .records import TIMINGS, output_names, record_dtype, results
+from .response_cache import ResponseCache, upload_key
 from .runtime import CPU
 from .settings import Settings
 from .shared_memory import SharedIO, SharedTensor, Slice
@@ -74,9 +76,10 @@ def counted(method):
 class Pipeline:
     def __init__(self, entry: ModelEntry, backend: Backend, decode_pool: ThreadPoolExecutor, settings: Settings,
                  metrics: Metrics, detector: FaceDetector | None = None, detector_problem: str | None = None,
-                 loads: int = 1):
+                 loads: int = 1, responses: ResponseCache | None = None):
         self.entry, self.backend, self.decode_pool, self.settings, self.metrics = (
             entry, backend, decode_pool, settings, metrics)
+        self.responses = responses  # answers kept by upload (response_cache.py), None where it is off
         self.loads = loads  # the backend's load of the model version it was made for
         self.detector, self.detector_problem = detector, detector_problem  # expression models' faces
         # the name clients call it by; the key the backend serves this version by (NAME, or NAME@VERSION)
@@ -85,8 +88,37 @@ class Pipeline:
         self.attention_outputs = list(entry.attention["outputs"].values()) if entry.attention else []
         self.stats = metrics.request_observer(self.name, str(entry.version))
 
-    @counted
     async def images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False) -> Results:
+        """`run_images`, where the response cache is on (and no photo is kept for a map) for the uploads it has not
+        answered before on this model version with this top_k; the others are answered from it, without a decode
+        or a batch (their rows' batch_size and times 0)."""
+        if self.responses is None or keep:
+            return await self.run_images(uploads, top_k, keep)
+        start = time.perf_counter()
+        keys = await asyncio.get_running_loop().run_in_executor(  # hashing megabytes is no work for the loop
+            self.decode_pool, lambda: [upload_key(self.key, self.loads, top_k, data) for data in uploads])
+        rows = [self.responses.get(key) for key in keys]
+        missed = [i for i, row in enumerate(rows) if row is None]
+        self.stats.looked_up(len(uploads) - len(missed), len(missed), time.perf_counter() - start)
+        if not missed:
+            return Results({name: np.stack([row[name] for row in rows]) for name in self.fields}, [0.0] * len(rows))
+        out = await self.run_images([uploads[i] for i in missed], top_k)
+        for j, i in enumerate(missed):
+            if j not in out.errors:
+                row = {name: np.array(out.fields[name][j]) for name in self.fields}  # copies, scalars 0-d
+                for name in TIMINGS:  # what a later hit says: no batch, no wait
+                    row[name][...] = 0
+                self.responses.put(keys[i], row)
+        if len(missed) == len(uploads):
+            return out
+        at = {i: j for j, i in enumerate(missed)}
+        fields = {name: np.stack([out.fields[name][at[i]] if i in at else row[name] for i, row in enumerate(rows)])
+                  for name in self.fields}
+        return Results(fields, [out.decode_ms[at[i]] if i in at else 0.0 for i in range(len(rows))],
+                       errors={i: out.errors[j] for i, j in at.items() if j in out.errors})
+
+    @counted
+    async def run_images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False) -> Results:
         """Each upload decoded into one image record and run; where the backend decodes JPEGs on the GPU (and no
         photo is kept for a map), JPEGs go there undecoded. An upload that cannot be read fails alone (in
         Results.errors) where others can be answered; where none can, its error is the request's."""
@@ -231,10 +263,14 @@ class Pipeline:
             return Results({}, [])
         self._check_count(n)
 
+        deadline = request_deadline()
+
         def fill_and_run(records: np.ndarray) -> tuple[list[float], list[Photo] | None, bool]:
             """In the decode pool: fill the records, and run them there too where the model is idle (a lone
-            request: two thread hops fewer); whether they ran."""
+            request: two thread hops fewer); whether they ran. Past the request's deadline, neither."""
+            check_deadline(deadline, self.name, "before its decode")
             decode_ms, photos = fill(records)
+            check_deadline(deadline, self.name, "after its decode")
             return decode_ms, photos, kind != "jpeg" and self.backend.run_here(self.key, records, top_k)
 
         with self.backend.records(self.key, kind, n) as records:
@@ -243,12 +279,18 @@ class Pipeline:
                     decode_ms, photos, ran = await asyncio.get_running_loop().run_in_executor(
                         self.decode_pool, fill_and_run, records)
             else:
+                check_deadline(deadline, self.name, "before its batch")
                 (decode_ms, photos), ran = fill(records), False
+            # the wait for a batch: the server's bound, or the client's where it comes first
+            wait = self.settings.request_timeout_s
+            client_first = deadline is not None and deadline - time.perf_counter() < wait
             try:
-                async with asyncio.timeout(self.settings.request_timeout_s):
+                async with asyncio.timeout(deadline - time.perf_counter() if client_first else wait):
                     if not ran:
                         await self.backend.run(self.key, records, top_k, jpegs, shared)
             except TimeoutError:
+                if client_first:
+                    raise expired(self.name, "in the queue") from None
                 raise overloaded(f"no result from {self.name} within {self.settings.request_timeout_s:g}s",
                                  self.settings.retry_after_s) from None
             graph = self.backend.status()[self.key].graph or self.key
@@ -292,6 +334,7 @@ class Pipelines:
         self.backend, self.settings, self.metrics = backend, settings, metrics
         threads = settings.decode_threads or min(8, os.cpu_count() or 1)
         self.decode_pool = ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=name_pool_thread)
+        self.responses = ResponseCache(settings.response_cache_bytes) if settings.response_cache_bytes else None
         self.pipelines: dict[str, Pipeline] = {}  # by key
         self._latest: dict[str, Pipeline] = {}  # by name: the version it reaches
         self._generation = -1  # the backend's status generation they were made for
@@ -346,9 +389,11 @@ class Pipelines:
             if s is None or s.unloaded:
                 continue
             pipeline = self.pipelines.get(entry.key)
+            if pipeline is not None and pipeline.loads != s.loads and self.responses is not None:
+                self.responses.forget(entry.key)  # reloaded: its answers may not be the new weights'
             live[entry.key] = pipeline if pipeline is not None and pipeline.loads == s.loads else Pipeline(
                 entry, self.backend, self.decode_pool, self.settings, self.metrics, self.detector,
-                self.detector_problem, s.loads)
+                self.detector_problem, s.loads, self.responses)
         latest: dict[str, Pipeline] = {}
         for key, pipeline in live.items():
             best = latest.get(pipeline.name)

@@ -20,7 +20,8 @@ class ImageResult(BaseModel):
     id: str = Field(description="this image's result id (the attention map's key with attention=true)")
     filename: str | None
     predictions: list[Prediction]
-    batch_size: int = Field(description="images in the inference batch this one ran in")
+    batch_size: int = Field(description="images in the inference batch this one ran in (0: answered from the "
+                                        "response cache, VITSERVE_RESPONSE_CACHE_BYTES)")
     timings_ms: Timings
     attention_map_url: str | None = None
 

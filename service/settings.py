@@ -120,6 +120,9 @@ class Settings(BaseSettings):
     retry_after_s: int = Field(1, ge=1, description="the Retry-After of 503 answers")
     attention_cache_items: int = Field(1024, ge=1, description="attention results kept for GET /attention-map")
     attention_cache_bytes: int = Field(256 * 2**20, ge=1, description="memory those results may take")
+    response_cache_bytes: int = Field(0, ge=0, description="memory for /classify answers kept by a hash of the "
+                                                           "upload, so that a repeated image is answered without a "
+                                                           "decode or a batch (each HTTP worker its own); 0: off")
     attention_ttl_s: float = Field(600.0, gt=0, description="how long an attention result stays retrievable")
     face_max: int = Field(20, ge=1, le=100, description="faces classified per image, largest first")
     face_min_size: int = Field(32, ge=12, description="smallest face side, in pixels, the detector looks for (in "

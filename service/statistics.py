@@ -66,7 +66,9 @@ def model_statistics(readings: Readings, pipeline: Pipeline, graph: str) -> dict
         "last_inference": int(readings.most("vitserve_last_inference_timestamp_seconds", model=graph) * 1e3),
         "inference_count": int(readings.total("vitserve_model_inferences_total", **labels)),
         "execution_count": int(readings.total("vitserve_batches_total", model=graph)),
-        "inference_stats": {**outcome, **phases, "cache_hit": _duration(0, 0), "cache_miss": _duration(0, 0)},
+        "inference_stats": {**outcome, **phases, **{f"cache_{o}": _duration(
+            readings.total("vitserve_response_cache_total", outcome=o, **labels),
+            readings.total("vitserve_response_cache_seconds_total", outcome=o, **labels)) for o in ("hit", "miss")}},
         "batch_stats": batches,
     }
 
@@ -103,6 +105,14 @@ TRITON_METRICS = [
      lambda s: (s["inference_stats"]["success"]["ns"] + s["inference_stats"]["fail"]["ns"]) // 1000),
     *((f"nv_inference_{phase}_duration_us", f"Cumulative {phase.replace('_', ' ')} duration in microseconds",
        "counter", lambda s, phase=phase: s["inference_stats"][phase]["ns"] // 1000) for phase in PHASES),
+    ("nv_cache_num_hits_per_model", "Number of cache hits per model", "counter",
+     lambda s: s["inference_stats"]["cache_hit"]["count"]),
+    ("nv_cache_num_misses_per_model", "Number of cache misses per model", "counter",
+     lambda s: s["inference_stats"]["cache_miss"]["count"]),
+    ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds", "counter",
+     lambda s: s["inference_stats"]["cache_hit"]["ns"] // 1000),
+    ("nv_cache_miss_duration_per_model", "Total cache miss (lookup) duration per model, in microseconds", "counter",
+     lambda s: s["inference_stats"]["cache_miss"]["ns"] // 1000),
 ]
 
 

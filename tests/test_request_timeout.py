@@ -15,8 +15,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
 from fault_graphs import stalling, turns_for
-from service_process import ROOT, direct_probabilities, metric, model_pixels, photo_bytes, running_service
+from service_process import ROOT, direct_probabilities, free_port, metric, model_pixels, photo_bytes, running_service
+from tritonclient.utils import InferenceServerException
 
 from service.loadtest import v2_body
 
@@ -97,3 +99,48 @@ def test_a_request_past_the_timeout_gets_503_and_its_images_never_reach_a_batch(
                                    atol=1e-5)
         # the queue is first in, first out: had anything stayed in it, it would have run before this request
         assert figures(url) == (computed + 1 + 1, 0)
+
+
+@pytest.mark.parametrize("backend,workers", [("thread", 0), ("process", 2)])
+def test_a_request_past_its_own_deadline_gets_504_and_its_images_never_reach_a_batch(repository, backend, workers):
+    """The same queue behind the slow batch, the server's own timeout far off: each request's deadline drops it.
+    The blocker (its parameters.timeout 2 s on /v2) has one image in the slow batch and one in the queue; behind it,
+    /classify with timeout_ms, /v2 with Triton's `timeout` (µs) and gRPC ModelInfer with the same parameter, each
+    1 s. All are answered 504 deadline_exceeded (gRPC DEADLINE_EXCEEDED) before the slow batch ends, and nothing but
+    its one image is computed."""
+    port = free_port()
+    settings = {"backend": backend, "model_repository": repository, "max_batch_size": 1, "request_timeout_s": 600,
+                "intra_op_threads": 1, "spin_wait": "false", "grpc_port": port,
+                "inference_unready_after_s": 600, "inference_kill_after_s": 1200,
+                **({"workers": workers} if workers else {})}
+    with running_service(**settings) as url, ThreadPoolExecutor(4) as pool:
+        computed, _ = figures(url)
+        body, headers = v2_body("images", np.stack([BLOCKER, BLOCKER]), parameters={"timeout": 2_000_000})
+        blocker = pool.submit(httpx.post, f"{url}/v2/models/{MODEL}/infer", content=body, headers=headers, timeout=300)
+        until(lambda: figures(url)[1] == 1 or blocker.done(), "the blocker's second image queued")
+        assert not blocker.done(), blocker.result().text
+        classify = pool.submit(httpx.post, f"{url}/classify", files=jpegs(WAITING), timeout=300,
+                               params={"model": MODEL, "timeout_ms": 1000})
+        body, headers = v2_body("images", np.stack([model_pixels(REPO / "shapes-vit", photo_bytes(name, "JPEG"))
+                                                    for name in WAITING]), parameters={"timeout": 1_000_000})
+        v2 = pool.submit(httpx.post, f"{url}/v2/models/{MODEL}/infer", content=body, headers=headers, timeout=300)
+
+        def grpc_call() -> str:
+            with triton_grpc.InferenceServerClient(f"127.0.0.1:{port}") as client:
+                images = triton_grpc.InferInput("images", [1, *BLOCKER.shape], "UINT8")
+                images.set_data_from_numpy(BLOCKER[None])
+                with pytest.raises(InferenceServerException) as refused:
+                    client.infer(MODEL, [images], timeout=1_000_000)
+                return refused.value.status()
+
+        grpc = pool.submit(grpc_call)
+        assert classify.result().status_code == 504, classify.result().text
+        # answered while the slow batch (six times their deadline) still runs: not when it ends, as a queue
+        # timeout that waits for the running batch would (Triton's server #7512)
+        assert figures(url)[0] == computed
+        assert classify.result().json()["error"]["code"] == "deadline_exceeded"
+        assert v2.result().status_code == blocker.result().status_code == 504
+        assert "deadline passed in the queue" in v2.result().json()["error"]
+        assert grpc.result() == "StatusCode.DEADLINE_EXCEEDED"
+        until(lambda: figures(url)[0] >= computed + 1, "the slow batch's end", timeout_s=600)
+        assert figures(url) == (computed + 1, 0)  # the slow batch's one image, and nothing of the expired

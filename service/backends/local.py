@@ -201,7 +201,7 @@ class LocalBackend(ModelLifecycle):
             try:
                 errors = await entry.future
             except asyncio.CancelledError:
-                await batcher.settled()
+                await batcher.settled(entry)
                 raise
             if errors:  # an image that failed alone fails its request
                 raise next(iter(errors.values()))

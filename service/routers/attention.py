@@ -7,6 +7,7 @@ the size the PNG needs, only when a PNG is asked for.
 """
 import asyncio
 import math
+import time
 from typing import Literal
 
 import numpy as np
@@ -16,6 +17,7 @@ from repository import InputPolicy
 
 from .. import attention as maps
 from ..cache import AttentionRecord
+from ..deadline import TIMEOUT_MS, set_deadline
 from ..decode import decode
 from ..errors import NotFound
 from ..pipeline import Pipeline, Pipelines
@@ -103,7 +105,9 @@ async def attention_map_for_image(
     request: Request,
     model: str | None = Query(None, description="model name (default: the server's default model)"),
     options: MapOptions = Depends(),
+    timeout_ms: int | None = Query(None, ge=1, le=3_600_000, description=TIMEOUT_MS),
 ) -> Response:
+    set_deadline(time.perf_counter(), timeout_ms and timeout_ms / 1e3)
     pipelines: Pipelines = request.app.state.pipelines
     pipelines.get(model).check_attention()  # an unknown, unready or CNN model fails before the body is read
     ((_, data),) = await read_images(request, ("file",), 1)

@@ -6,6 +6,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
+from ..deadline import TIMEOUT_MS, set_deadline
 from ..pipeline import Pipeline, Pipelines, Results
 from ..schemas import ClassifyResponse
 from .responses import json_response
@@ -19,6 +20,7 @@ class ClassifyQuery(BaseModel):
     model: str | None = Field(None, description="model name (default: the server's default model)")
     top_k: int = Field(5, ge=1, le=100, description="how many labels per image")
     attention: bool = Field(False, description="keep the attention maps for GET /attention-map")
+    timeout_ms: int | None = Field(None, ge=1, le=3_600_000, description=TIMEOUT_MS)
 
 
 def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]]:
@@ -37,11 +39,13 @@ def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]
                                     "can: the others are answered, and it gets an `error` of its own)"},
                404: {"description": "unknown model"}, 413: {"description": "upload or image too large, or more images "
                                                                   "than the limit or the model's queue holds"},
-               415: {"description": "not an image"}, 503: {"description": "overloaded or still loading"}},
+               415: {"description": "not an image"}, 503: {"description": "overloaded or still loading"},
+               504: {"description": "past the request's timeout_ms"}},
     openapi_extra=upload_body({"file": "one image (JPEG, PNG, WebP, ...)"}, several="files"),
 )
 async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -> Response:
     start = time.perf_counter()
+    set_deadline(start, query.timeout_ms and query.timeout_ms / 1e3)
     model, top_k, attention = query.model, query.top_k, query.attention
     pipelines: Pipelines = request.app.state.pipelines
     chosen = pipelines.get(model)  # an unknown or unready model fails before the body is read

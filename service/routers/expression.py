@@ -6,6 +6,7 @@ import numpy as np
 
 from fastapi import APIRouter, Query, Request, Response
 
+from ..deadline import TIMEOUT_MS, set_deadline
 from ..faces import DetectorSettings, Faces
 from ..pipeline import Pipeline, Pipelines
 from ..schemas import ExpressionResponse
@@ -31,8 +32,10 @@ async def expression(
     max_faces: int | None = Query(None, ge=1, le=100, description="at most this many faces, largest first"),
     attention: bool = Query(False, description="keep each face's attention map for GET /attention-map (a "
                                                "transformer's: 400 for a CNN such as expression-fer2013)"),
+    timeout_ms: int | None = Query(None, ge=1, le=3_600_000, description=TIMEOUT_MS),
 ) -> Response:
     start = time.perf_counter()
+    set_deadline(start, timeout_ms and timeout_ms / 1e3)
     pipelines: Pipelines = request.app.state.pipelines
     settings = pipelines.settings
     chosen = pipelines.get(model, task="expression")  # an unknown or unready model fails before the body is read

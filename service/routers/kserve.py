@@ -11,6 +11,7 @@ Every answer is strict JSON: FP32 input that is not finite (NaN, infinity, or pa
 """
 import asyncio
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field, ValidationError
 
+from ..deadline import set_deadline
 from ..errors import BadInput, TooLarge
 from ..open_inference import (Batch, check_shared_tensors, find_model, model_config, model_inputs, model_outputs,
                               extensions, served_metadata, shared_outputs)
@@ -78,6 +80,9 @@ class RequestOutput(BaseModel):
 
 class RequestParameters(BaseModel):
     binary_data_output: bool = False
+    timeout: int | None = Field(None, ge=1, description="the client's deadline in µs, as Triton reads it: a request "
+                                                         "still unanswered then is dropped before its batch and "
+                                                         "answered 504")
 
 
 class InferenceRequest(BaseModel):
@@ -232,6 +237,7 @@ async def infer(request: Request, name: str) -> Response:
 
 @router.post("/models/{name}/versions/{version_}/infer", **INFER)
 async def infer_version(request: Request, name: str, version_: str | None) -> Response:
+    start = time.perf_counter()
     first = _pipelines(request).get(name, version=version_)  # an unknown or unready model fails before the body
     body = await read_body(request, _pipelines(request).settings.max_json_bytes)
     length, parsed = request.headers.get(HEADER_LENGTH), None
@@ -241,6 +247,7 @@ async def infer_version(request: Request, name: str, version_: str | None) -> Re
     if parsed is None or pipeline is not first:  # (reloaded while it was parsed: rare, checked again here)
         parsed = parse_request(body, length, pipeline)
     header, (images, pixels) = parsed
+    set_deadline(start, header.parameters.timeout and header.parameters.timeout / 1e6)
     shared = requested_shared(pipeline, header)
     check_shared_tensors(_pipelines(request), client_host(request), (images, pixels), shared)
     out = await pipeline.tensors(images, pixels, shared)
