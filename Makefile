@@ -14,7 +14,7 @@ OTHER_ORT := $(if $(filter gpu,$(RUNTIME)),onnxruntime,onnxruntime-gpu)
 $(VENV)/.installed-$(RUNTIME): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip uninstall --quiet --yes $(OTHER_ORT) 2>/dev/null || true
-	$(BIN)/pip install --quiet --constraint requirements.lock --editable '.[$(RUNTIME),train,test,loadtest,ray]'
+	$(BIN)/pip install --quiet --constraint requirements.lock --editable '.[$(RUNTIME),train,test,loadtest,ray,tracing]'
 	rm -f $(VENV)/.installed* $(VENV)/.serving*
 	echo $(RUNTIME) > $(VENV)/.runtime
 	touch $(VENV)/.serving-$(RUNTIME) $@
@@ -106,7 +106,7 @@ lock:
 	mkdir -p build
 	printf 'onnxruntime==$(ORT_VERSION)\nonnxruntime-gpu==$(ORT_VERSION)\n' > build/ort.txt
 	$(PYTHON) -m pip install --quiet --dry-run --ignore-installed --constraint build/ort.txt \
-		--report build/resolved.json '.[cpu,gpu,train,test,loadtest,ray]'
+		--report build/resolved.json '.[cpu,gpu,train,test,loadtest,ray,tracing]'
 	$(PYTHON) -c 'import json, sys; \
 		found = [f["metadata"] for f in json.load(open(sys.argv[1]))["install"]]; \
 		pins = ["%s==%s" % (p["name"], p["version"].split("+")[0]) for p in found if p["name"] != "vitserve"]; \

@@ -10,12 +10,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from . import grpc_server, http_errors
+from . import grpc_server, http_errors, tracing
 from .backends import Backend
 from .backends.local import LocalBackend
 from .hot_routes import HotRoutes
 from .metrics import Metrics
-from .middleware import ApiKey, BodyLimit, CancelOnDisconnect, HeadAsGet, RequestMetrics
+from .middleware import ApiKey, BodyLimit, CancelOnDisconnect, HeadAsGet, RequestMetrics, TraceRequests
 from .pipeline import Pipelines
 from .routers import attention, classify, expression, health, kserve, models, repository, shared_memory
 from .settings import Settings
@@ -33,6 +33,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     started). The gRPC server (settings.grpc_port) starts with it, its port shared with other processes' where
     `grpc_shared_port` (the process backend's HTTP workers)."""
     settings = settings or Settings()
+    tracing.enable("http")
     metrics = metrics or Metrics()
     backend = backend or LocalBackend(settings, metrics)
     pipelines = Pipelines(backend, settings, metrics)
@@ -95,5 +96,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "X-API-Key", "Inference-Header-Content-Length"],
                            expose_headers=["Retry-After", "Inference-Header-Content-Length"])
+    if tracing.on():  # (OTEL_TRACES_EXPORTER=otlp) each request a span, around all the rest
+        app.add_middleware(TraceRequests)
     app.add_middleware(HeadAsGet)  # outermost: every layer treats a HEAD as the GET it runs as
     return app

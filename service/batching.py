@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import tracing
 from .errors import ServiceError
 from .metrics import Metrics
 from .records import KINDS, Part, Rows, count, kind_of
@@ -49,6 +50,7 @@ class Entry:
     kind: str = ""
     errors: dict[int, Exception] = field(default_factory=dict)
     batches: set[asyncio.Task] = field(default_factory=set)  # the started batches that hold some of its rows
+    traces: list[str | None] = field(default_factory=list)  # its requests' traceparents, where traces are on
 
 
 # runs one batch in the executor: (parts, each part's queue ms) -> inference seconds
@@ -98,7 +100,7 @@ class Batcher:
         finally:
             self._preparing -= 1
 
-    def try_run_here(self, records: np.ndarray, top_k: int) -> bool:
+    def try_run_here(self, records: np.ndarray, top_k: int, trace: str | None = None) -> bool:
         """From a thread of the caller's (a decode thread), the records run at once in that thread, as a batch of
         their own, where nothing else is queued, gathered, running or being decoded for this batcher: a lone request
         is spared two thread hops. False, having done nothing, where the batcher is busy or runs batches two at a
@@ -108,7 +110,8 @@ class Batcher:
             return False
         part = Part(records, slice(0, len(records)), top_k)
         try:
-            elapsed = self.run([part], [0.0])
+            with tracing.batch_span([trace], len(records), self.name):
+                elapsed = self.run([part], [0.0])
         except Exception as e:
             raise self._failed(e, len(records)) from None
         finally:
@@ -143,16 +146,18 @@ class Batcher:
         return self.queue_limit - self.depth
 
     def submit(self, records: np.ndarray, top_k: int = 1, inputs: list | None = None, rows: Rows | None = None,
-               on_taken: Callable[[], None] | None = None) -> Entry:
+               on_taken: Callable[[], None] | None = None, traces: list[str | None] | None = None) -> Entry:
         """Queue `rows` of the records (all of them by default; with each row's input where the records do not hold
-        it: records.Part); the entry's future resolves once results are written into all of them."""
+        it: records.Part); the entry's future resolves once results are written into all of them. `traces`: the
+        traceparents of its requests, which the span of each batch that runs it joins (tracing.py)."""
         rows = slice(0, len(records)) if rows is None else rows
         n = count(rows)
         if n > self.room:
             raise QueueFull(f"{self.name} is busy: {self.depth} images are queued, and this request's {n} would pass "
                             f"its limit of {self.queue_limit}; retry later")
         future = asyncio.get_running_loop().create_future()
-        entry = Entry(records, rows, top_k, inputs, future, time.perf_counter(), on_taken, n, kind_of(records))
+        entry = Entry(records, rows, top_k, inputs, future, time.perf_counter(), on_taken, n, kind_of(records),
+                      traces=traces or [])
         future.add_done_callback(lambda f: f.cancelled() and self._abandon(entry))
         self._waiting.append(entry)
         self.depth += n
@@ -279,7 +284,10 @@ class Batcher:
         waits = [(start - entry.enqueued) * 1e3 for entry, _ in taken]
         parts = [part for _, part in taken]
         try:
-            elapsed = await asyncio.get_running_loop().run_in_executor(self.executor, self._run_batch, parts, waits)
+            with tracing.batch_span([tp for entry, _ in taken for tp in entry.traces], sum(p.size for p in parts),
+                                    self.name):
+                elapsed = await asyncio.get_running_loop().run_in_executor(self.executor, self._run_batch, parts,
+                                                                           waits)
         except Exception as e:  # a failed batch fails its entries, not the batcher
             failed = self._failed(e, sum(p.size for p in parts))
             for entry, _ in taken:

@@ -1,11 +1,12 @@
 """ASGI middleware: HEAD as GET, the request-body limit, the API key, cancelling what a departed client asked for,
-and per-route request metrics."""
+per-route request metrics, and (where traces are on) each request's span."""
 import asyncio
 import contextlib
 import hmac
 import time
 import zlib
 
+from . import tracing
 from .errors import BadInput
 from .http_errors import error_response
 from .metrics import Metrics
@@ -240,3 +241,24 @@ class RequestMetrics:
             path = getattr(route, "path", "unmatched")
             self.metrics.requests.labels(path, scope["method"], str(status)).inc()
             self.metrics.request_seconds.labels(path).observe(time.perf_counter() - start)
+
+
+class TraceRequests:
+    """Each HTTP request as an OpenTelemetry server span, continuing the caller's trace from its `traceparent`
+    (installed only where traces are on: tracing.py). Its task's spans (decode, queue) are the span's children."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
+                   if name in (b"traceparent", b"tracestate")}
+        with tracing.request_span(scope["method"], scope["path"], headers) as span:
+            async def traced_send(message):
+                if message["type"] == "http.response.start":
+                    span.set_attribute("http.response.status_code", message["status"])
+                await send(message)
+
+            await self.app(scope, receive, traced_send)

@@ -23,6 +23,7 @@ from repository import ModelEntry, RepositoryError, face_detector
 
 from .backends import Backend
 from .cache import AttentionRecord
+from . import tracing
 from .deadline import check_deadline, expired, request_deadline
 from .decode import Photo, decode, decode_size, model_input, upload_input
 from .errors import BadInput, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia, overloaded
@@ -263,7 +264,7 @@ class Pipeline:
             return Results({}, [])
         self._check_count(n)
 
-        deadline = request_deadline()
+        deadline, trace = request_deadline(), tracing.traceparent()
 
         def fill_and_run(records: np.ndarray) -> tuple[list[float], list[Photo] | None, bool]:
             """In the decode pool: fill the records, and run them there too where the model is idle (a lone
@@ -271,11 +272,11 @@ class Pipeline:
             check_deadline(deadline, self.name, "before its decode")
             decode_ms, photos = fill(records)
             check_deadline(deadline, self.name, "after its decode")
-            return decode_ms, photos, kind != "jpeg" and self.backend.run_here(self.key, records, top_k)
+            return decode_ms, photos, kind != "jpeg" and self.backend.run_here(self.key, records, top_k, trace)
 
         with self.backend.records(self.key, kind, n) as records:
             if in_pool:
-                with self.backend.preparing(self.key):
+                with self.backend.preparing(self.key), tracing.span("decode", **{"vitserve.images": n}):
                     decode_ms, photos, ran = await asyncio.get_running_loop().run_in_executor(
                         self.decode_pool, fill_and_run, records)
             else:
@@ -284,6 +285,7 @@ class Pipeline:
             # the wait for a batch: the server's bound, or the client's where it comes first
             wait = self.settings.request_timeout_s
             client_first = deadline is not None and deadline - time.perf_counter() < wait
+            queued_ns = time.time_ns()
             try:
                 async with asyncio.timeout(deadline - time.perf_counter() if client_first else wait):
                     if not ran:
@@ -295,6 +297,8 @@ class Pipeline:
                                  self.settings.retry_after_s) from None
             graph = self.backend.status()[self.key].graph or self.key
             self.metrics.queue_seconds.labels(graph).observe(float(records["queue_ms"][0]) / 1e3)
+            if not ran:
+                tracing.past_span("queue", queued_ns, float(records["queue_ms"][0]) / 1e3)
             inputs = records["image"].copy() if keep else None
             return Results(results(records, self.fields), decode_ms, photos, inputs)
 

@@ -88,7 +88,7 @@ class Misbehaving:
     def preparing(self, model: str):
         yield
 
-    def run_here(self, model, records, top_k) -> bool:
+    def run_here(self, model, records, top_k, trace=None) -> bool:
         return False
 
     async def run(self, model, records, top_k, jpegs=None, shared=None) -> None:

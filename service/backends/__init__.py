@@ -69,9 +69,10 @@ class Backend(Protocol):
     def preparing(self, model: str) -> AbstractContextManager[None]:
         """Around decoding images that will run on `model` (the batcher may wait for them)."""
 
-    def run_here(self, model: str, records: np.ndarray, top_k: int) -> bool:
+    def run_here(self, model: str, records: np.ndarray, top_k: int, trace: str | None = None) -> bool:
         """From a decode thread, once `records` are filled: run them in that thread if the model is idle, and say
-        whether it did (a lone request spared two thread hops); where it did not, `run` them."""
+        whether it did (a lone request spared two thread hops); where it did not, `run` them. `trace`: the
+        request's traceparent, where traces are on (tracing.py)."""
 
     async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None,
                   shared: SharedIO | None = None) -> None:

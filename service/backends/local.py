@@ -17,6 +17,7 @@ import numpy as np
 
 from repository import ModelEntry, servable, verify_file
 
+from .. import tracing
 from ..batching import Batcher, QueueFull
 from ..cache import AttentionCache, AttentionRecord
 from ..decode import upload_input
@@ -182,10 +183,10 @@ class LocalBackend(ModelLifecycle):
     def _preparing_elsewhere(self, models: list[int]) -> int:
         return sum(int(board[i]) for board in self.boards for i in models)
 
-    def run_here(self, model: str, records: np.ndarray, top_k: int) -> bool:
+    def run_here(self, model: str, records: np.ndarray, top_k: int, trace: str | None = None) -> bool:
         """From a decode thread: the records run in it at once where the model's batcher is idle and runs one batch
         at a time, as on the CPU (Batcher.try_run_here); False, having done nothing, where they must be run."""
-        return self.batcher(model).try_run_here(records, top_k)
+        return self.batcher(model).try_run_here(records, top_k, trace)
 
     async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None,
                   shared: SharedIO | None = None) -> None:
@@ -195,7 +196,8 @@ class LocalBackend(ModelLifecycle):
         claim = None if shared is None else self.regions.claim(shared, records, kind_of(records))
         try:
             try:
-                entry = batcher.submit(records, top_k, jpegs if claim is None or claim.inputs is None else claim.inputs)
+                entry = batcher.submit(records, top_k, jpegs if claim is None or claim.inputs is None else claim.inputs,
+                                       traces=[tracing.traceparent()])
             except QueueFull as e:
                 raise overloaded(str(e), self.settings.retry_after_s) from None
             try:

@@ -27,6 +27,7 @@ import numpy as np
 
 from repository import ModelEntry
 
+from .. import tracing
 from ..cache import AttentionRecord
 from ..errors import Unavailable, from_wire, overloaded
 from ..records import kind_of, record_dtype
@@ -64,6 +65,7 @@ class _Queued:
     shared: SharedIO | None  # its tensors in shared memory, which the inference process reads and writes
     future: asyncio.Future
     since: float  # when it was queued here
+    trace: str | None  # its span as a W3C traceparent, where traces are on (tracing.py)
     frame: int | None = None
     sent: float = 0.0
 
@@ -304,7 +306,7 @@ class ProcessBackend:
         while one of this worker's frames waits to be taken (what comes meanwhile goes in the next frame)."""
         self._board[outbox.index] = 0 if outbox.queued else outbox.decoding + len(outbox.pending)
 
-    def run_here(self, model: str, records: np.ndarray, top_k: int) -> bool:
+    def run_here(self, model: str, records: np.ndarray, top_k: int, trace: str | None = None) -> bool:
         return False  # the sessions are in the inference process
 
     async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None,
@@ -312,7 +314,7 @@ class ProcessBackend:
         self._check_connected()
         outbox = self._outboxes[model]
         q = _Queued(self._leases[records.ctypes.data], top_k, jpegs, shared,
-                    asyncio.get_running_loop().create_future(), time.perf_counter())
+                    asyncio.get_running_loop().create_future(), time.perf_counter(), tracing.traceparent())
         outbox.pending.append(q)
         self._tell(outbox)
         if not outbox.queued and not outbox.flushing:  # after this turn of the loop: others may join
@@ -352,6 +354,8 @@ class ProcessBackend:
             message = {"op": Op.RUN, "frame": key, "model": outbox.model, "kind": kind, "arena": arena.path.name}
             if any(q.shared is not None for q in queued):
                 message["shared"] = [None if q.shared is None else q.shared.to_wire() for q in queued]
+            if any(q.trace is not None for q in queued):  # (traces on: the batch's span joins them)
+                message["traces"] = [q.trace for q in queued]
             if kind == "jpeg":
                 jpegs = [data for q in queued for data in q.jpegs]
                 arrays["jpegs"] = np.frombuffer(b"".join(jpegs), np.uint8)

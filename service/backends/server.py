@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import tracing
 from ..batching import Batcher, Entry
 from ..errors import ServiceError, overloaded, to_wire
 from ..metrics import Metrics
@@ -172,8 +173,10 @@ class InferenceServer:
         images = int(ends[-1])
         rows = np.repeat(starts[kept] - (ends - counts[kept]), counts[kept]) + np.arange(images)
         row_inputs = None if inputs is None else [x for i in kept.tolist() for x in inputs[i]]
+        traces = message.get("traces")  # (traces on)
         frame.entry = batcher.submit(frame.records, int(arrays["top_k"][kept].max()), row_inputs, rows,
-                                     on_taken=lambda: self._taken(frame))
+                                     on_taken=lambda: self._taken(frame),
+                                     traces=traces and [traces[i] for i in kept.tolist()])
         frame.entry.future.add_done_callback(lambda future: self._finished(frame, future))
 
     def _requests_inputs(self, frame: Frame, message: dict, arrays: dict, kind: str) -> list[list] | None:
@@ -315,6 +318,8 @@ def main(settings: Settings, socket_path: Path, log_level: str) -> None:
     """The process's entry point (multiprocessing, spawn)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which stops us last
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s inference: %(message)s")
+
+    tracing.enable("inference")
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -1,0 +1,93 @@
+"""OpenTelemetry traces (service/tracing.py) out of a real service on both backends, into a real OTLP/HTTP receiver
+on loopback that this test starts and that decodes what it gets with opentelemetry-proto: the caller's trace goes on
+through the request's span, its decode, its wait in the queue and the batch that ran it (made in the inference
+process under the process backend)."""
+import gzip
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
+                                                                      ExportTraceServiceResponse)
+from service_process import photo_bytes, running_service
+
+CALLER_TRACE, CALLER_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+
+
+@contextmanager
+def otlp_receiver() -> Iterator[tuple[str, list]]:
+    """(endpoint, spans received so far): POST /v1/traces, as an OpenTelemetry collector takes it."""
+    spans: list = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+            request = ExportTraceServiceRequest.FromString(body)
+            spans.extend(span for resource in request.resource_spans for scope in resource.scope_spans
+                         for span in scope.spans)
+            answer = ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", spans
+    finally:
+        server.shutdown()
+
+
+def spans_of(spans: list, trace: str, names: set[str], timeout_s: float = 60) -> dict:
+    """The trace's spans by name once every one of `names` has come (a liveness bound, not a measurement)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {s.name: s for s in list(spans) if s.trace_id.hex() == trace}
+        if names <= found.keys():
+            return found
+        assert time.monotonic() < deadline, f"spans {sorted(names - found.keys())} never came; got {sorted(found)}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_a_callers_trace_comes_back_out_of_the_exporter_with_the_services_spans_under_it(backend, monkeypatch):
+    with otlp_receiver() as (endpoint, spans):
+        monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # ms: the batch processor sends soon
+        settings = {"workers": 1} if backend == "process" else {}
+        with running_service(backend=backend, **settings) as url:
+            answer = httpx.post(f"{url}/classify", files={"file": ("cat.jpg", photo_bytes("chelsea", "JPEG"))},
+                                headers={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}, timeout=60)
+            assert answer.status_code == 200, answer.text
+            # under the process backend every request waits in the inference process's queue; under the thread
+            # backend a lone request runs in its decode thread, with no queue to wait in
+            names = {"POST /classify", "decode", "batch"} | ({"queue"} if backend == "process" else set())
+            found = spans_of(spans, CALLER_TRACE, names)
+        request = found["POST /classify"]
+        assert request.parent_span_id.hex() == CALLER_SPAN
+        assert {a.key: a.value.int_value for a in request.attributes}["http.response.status_code"] == 200
+        for child in names - {"POST /classify"}:
+            assert found[child].parent_span_id == request.span_id, child
+        batch = found["batch"]
+        assert [link.span_id for link in batch.links] == [request.span_id]
+        assert {a.key: a.value.int_value for a in batch.attributes}["vitserve.batch_size"] == 1
+
+
+def test_traces_are_off_unless_asked_and_cost_no_span(monkeypatch):
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    from service import tracing
+    tracing.enable("http")
+    assert not tracing.on() and tracing.traceparent() is None
+    assert tracing.span("decode") is tracing.batch_span(["00-x-y-01"], 1, "m")  # one shared no-op
