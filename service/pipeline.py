@@ -21,9 +21,9 @@ import numpy as np
 
 from repository import ModelEntry, RepositoryError, face_detector
 
+from . import tracing
 from .backends import Backend
 from .cache import AttentionRecord
-from . import tracing
 from .deadline import check_deadline, expired, request_deadline
 from .decode import Photo, decode, decode_size, model_input, upload_input
 from .errors import BadInput, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia, overloaded
