@@ -9,10 +9,12 @@ join it, so a lone client never pays the delay (under the process backend the HT
 shared memory, read through `elsewhere`). Up to `concurrency` batches run at once in the executor (2 on a GPU:
 one is copied in and post-processed while the other computes); results are written into the entries' records
 there, and each entry's future is resolved once all its images are done. Beyond queue_limit queued images, new
-entries are refused at once instead of growing the queue.
+entries are refused at once instead of growing the queue. Entries are taken in arrival order within a priority
+level, the first level first; one that has waited `aging_s` counts as first-level (urgency.py).
 """
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -51,6 +53,7 @@ class Entry:
     errors: dict[int, Exception] = field(default_factory=dict)
     batches: set[asyncio.Task] = field(default_factory=set)  # the started batches that hold some of its rows
     traces: list[str | None] = field(default_factory=list)  # its requests' traceparents, where traces are on
+    priority: int = 0  # its level, 1 first; 0: the default (the last level)
 
 
 # runs one batch in the executor: (parts, each part's queue ms) -> inference seconds
@@ -59,10 +62,11 @@ RunBatch = Callable[[list[Part], list[float]], float]
 
 class Batcher:
     def __init__(self, name: str, run: RunBatch, executor: Executor, metrics: Metrics, max_batch_size: int,
-                 max_queue_delay_s: float, queue_limit: int, concurrency: int = 1):
-        self.name, self.run, self.executor = name, run, executor
+                 max_queue_delay_s: float, queue_limit: int, concurrency: int = 1, aging_s: float = 0.2):
+        self.name, self.run, self.executor, self.aging_s = name, run, executor, aging_s
         self.max_batch_size, self.max_queue_delay_s, self.queue_limit = max_batch_size, max_queue_delay_s, queue_limit
         self._waiting: deque[Entry] = deque()
+        self._ranked = 0  # waiting entries of a level above the default: while none, the first is taken first
         self._arrived = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
         self._running: set[asyncio.Task] = set()
@@ -90,6 +94,7 @@ class Batcher:
         for entry in self._waiting:
             entry.future.cancel()
         self._waiting.clear()
+        self._ranked = 0
 
     @contextmanager
     def preparing(self) -> Iterator[None]:
@@ -146,10 +151,12 @@ class Batcher:
         return self.queue_limit - self.depth
 
     def submit(self, records: np.ndarray, top_k: int = 1, inputs: list | None = None, rows: Rows | None = None,
-               on_taken: Callable[[], None] | None = None, traces: list[str | None] | None = None) -> Entry:
+               on_taken: Callable[[], None] | None = None, traces: list[str | None] | None = None,
+               priority: int = 0) -> Entry:
         """Queue `rows` of the records (all of them by default; with each row's input where the records do not hold
         it: records.Part); the entry's future resolves once results are written into all of them. `traces`: the
-        traceparents of its requests, which the span of each batch that runs it joins (tracing.py)."""
+        traceparents of its requests, which the span of each batch that runs it joins (tracing.py); `priority`:
+        their level (1 first; 0, the default, last)."""
         rows = slice(0, len(records)) if rows is None else rows
         n = count(rows)
         if n > self.room:
@@ -157,9 +164,10 @@ class Batcher:
                             f"its limit of {self.queue_limit}; retry later")
         future = asyncio.get_running_loop().create_future()
         entry = Entry(records, rows, top_k, inputs, future, time.perf_counter(), on_taken, n, kind_of(records),
-                      traces=traces or [])
+                      traces=traces or [], priority=priority)
         future.add_done_callback(lambda f: f.cancelled() and self._abandon(entry))
         self._waiting.append(entry)
+        self._ranked += priority > 0
         self.depth += n
         self._tell_depth()
         self._arrived.set()
@@ -179,7 +187,7 @@ class Batcher:
                 part.rows, part.inputs, gone = _without(part.rows, part.inputs, first, stop)
                 entry.left -= gone
         if waiting and not count(entry.rows):
-            self._waiting.remove(entry)
+            self._leave(entry)
             if entry.on_taken is not None:
                 entry.on_taken()
         if not entry.left and not entry.future.done():
@@ -213,9 +221,21 @@ class Batcher:
     def _abandon(self, entry: Entry) -> None:
         """Its caller went away (the client disconnected): what is not yet in a batch leaves the queue at once."""
         if entry in self._waiting:
-            self._waiting.remove(entry)
+            self._leave(entry)
             self.depth -= count(entry.rows)
             self._tell_depth()
+
+    def _leave(self, entry: Entry) -> None:
+        self._waiting.remove(entry)  # (the first, but where priorities chose another)
+        self._ranked -= entry.priority > 0
+
+    def _next(self) -> Entry:
+        """The waiting entry a batch takes from next: the first to arrive of the first level, an entry that has
+        waited aging_s counting as first-level; without priorities, simply the first to arrive."""
+        if not self._ranked:
+            return self._waiting[0]
+        aged = time.perf_counter() - self.aging_s
+        return min(self._waiting, key=lambda e: (1 if e.enqueued <= aged else e.priority or math.inf, e.enqueued))
 
     async def _gather(self) -> list[tuple[Entry, Part]]:
         """Wait for a first image, then fill up until the batch is full, the first has waited long enough or no
@@ -223,7 +243,7 @@ class Batcher:
         taken, room, deadline = self._gathering, self.max_batch_size, None
         while room:
             if self._waiting:
-                entry = self._waiting[0]
+                entry = self._next()
                 if entry.future.cancelled():  # abandoned, its callback not yet run
                     self._abandon(entry)
                     continue
@@ -237,7 +257,7 @@ class Batcher:
                 room -= n
                 self.depth -= n
                 if not count(entry.rows):
-                    self._waiting.popleft()
+                    self._leave(entry)
                 continue
             self._arrived.clear()
             if not taken:

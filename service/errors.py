@@ -40,7 +40,7 @@ class Unavailable(ServiceError):
 
 
 class DeadlineExceeded(ServiceError):
-    """The request's own deadline (service/deadline.py) passed before it was answered."""
+    """The request's own deadline (service/urgency.py) passed before it was answered."""
     code = "deadline_exceeded"
 
 

@@ -25,7 +25,6 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from .deadline import set_deadline
 from .errors import (BadInput, DeadlineExceeded, Forbidden, NotFound, ServiceError, TooLarge, Unavailable,
                      UnsupportedMedia)
 from .metrics import Metrics
@@ -37,6 +36,7 @@ from .protocol import open_inference_pb2 as pb
 from .settings import Settings
 from .shared_memory import NO_CUDA_SHARED_MEMORY, no_cuda_region, requested_slice
 from .statistics import current_statistics
+from .urgency import set_deadline, set_priority
 
 log = logging.getLogger("vitserve")
 
@@ -265,11 +265,15 @@ class InferenceService:
                     ) -> pb.ModelInferResponse:
         """ModelInfer's answer to a client (its address, as peer_host gives it), within the call's deadline
         (`call_s` seconds left) and the request's `timeout` parameter (µs, Triton's), the sooner."""
-        timeout_us = parameters(request.parameters).get("timeout")
+        given = parameters(request.parameters)
+        timeout_us, priority = given.get("timeout"), given.get("priority")
         if timeout_us is not None and (not isinstance(timeout_us, int) or timeout_us < 1):
             raise BadInput(f"parameter timeout {timeout_us!r}: a whole number of microseconds, at least 1")
         limits = [s for s in (call_s, timeout_us and timeout_us / 1e6) if s is not None]
         set_deadline(time.perf_counter(), min(limits, default=None))
+        if priority is not None and not isinstance(priority, int):
+            raise BadInput(f"parameter priority {priority!r}: a whole number", "bad_priority")
+        set_priority(priority, self.pipelines.settings.priority_levels)
         pipeline = self.pipelines.get(request.model_name, version=request.model_version)
         places = [requested_slice(parameters(t.parameters), f"input {t.name!r}") for t in request.inputs]
         sent = [i for i, place in enumerate(places) if place is None]  # the inputs whose values travel here

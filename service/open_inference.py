@@ -99,7 +99,9 @@ def model_config(pipelines: Pipelines, name: str, version: str | None) -> dict:
                    "dims": i["shape"][1:]} for i in metadata["inputs"]],
         "output": [{"name": o["name"], "data_type": f"TYPE_{o['datatype']}", "dims": o["shape"][1:]}
                    for o in metadata["outputs"]],
-        "dynamic_batching": {"max_queue_delay_microseconds": round(settings.max_queue_delay_ms * 1000)},
+        "dynamic_batching": {"max_queue_delay_microseconds": round(settings.max_queue_delay_ms * 1000),
+                             "priority_levels": settings.priority_levels,
+                             "default_priority_level": settings.priority_levels},
         "instance_group": [instances],
         "default_model_filename": Path(entry.manifest["files"]["model"]["path"]).name,
         "parameters": {key: {"string_value": value} for key, value in parameters.items()},

@@ -24,7 +24,6 @@ from repository import ModelEntry, RepositoryError, face_detector
 from . import tracing
 from .backends import Backend
 from .cache import AttentionRecord
-from .deadline import check_deadline, expired, request_deadline
 from .decode import Photo, decode, decode_size, model_input, upload_input
 from .errors import BadInput, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia, overloaded
 from .faces import DetectorSettings, FaceDetector, Faces, align
@@ -36,6 +35,7 @@ from .runtime import CPU
 from .settings import Settings
 from .shared_memory import SharedIO, SharedTensor, Slice
 from .thread_names import name_pool_thread
+from .urgency import check_deadline, expired, request_deadline
 
 log = logging.getLogger("vitserve")
 

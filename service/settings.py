@@ -34,6 +34,10 @@ class Settings(BaseSettings):
                                                                    "name none (default: the first expression model, "
                                                                    "by name: expression-fer2013 of the embedded ones)")
     max_batch_size: int = Field(16, ge=1, le=1024, description="images per inference call")
+    priority_levels: int = Field(2, ge=1, le=100, description="request priority levels (Triton's): 1 is taken into "
+                                                              "a batch first; this last level is the default")
+    priority_aging_ms: float = Field(200.0, ge=0, description="an image that has waited this long is taken as a "
+                                                              "first-level one, so that no level starves")
     max_queue_delay_ms: float = Field(5.0, ge=0, description="how long the oldest queued image may wait for a batch "
                                                            "to fill, while other requests are still decoding")
     queue_limit: int = Field(256, ge=1, description="queued images per model beyond which requests get 503; "

@@ -24,6 +24,7 @@ from service.loadtest import v2_body
 
 REPO = ROOT / "model_repository"
 MODEL = "slow-vit"
+MID = "mid-vit"  # the same stall at a tenth of the turns: a bright batch of about BATCH_S / 10
 TIMEOUT_S = 1.0
 BATCH_S = 6.0  # the slow batch, here: the requests behind it time out well before it ends
 RETRY_AFTER_S = 2
@@ -34,7 +35,9 @@ WAITING = ["coffee", "rocket", "chelsea", "hubble_deep_field"]  # top-left pixel
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("repository")
-    stalling(REPO / "shapes-vit", repo / MODEL, turns_for(BATCH_S, REPO / "shapes-vit", repo.parent))
+    turns = turns_for(BATCH_S, REPO / "shapes-vit", repo.parent)
+    stalling(REPO / "shapes-vit", repo / MODEL, turns)
+    stalling(REPO / "shapes-vit", repo / MID, turns // 10)
     return repo
 
 
@@ -144,3 +147,47 @@ def test_a_request_past_its_own_deadline_gets_504_and_its_images_never_reach_a_b
         assert grpc.result() == "StatusCode.DEADLINE_EXCEEDED"
         until(lambda: figures(url)[0] >= computed + 1, "the slow batch's end", timeout_s=600)
         assert figures(url) == (computed + 1, 0)  # the slow batch's one image, and nothing of the expired
+
+
+@pytest.mark.parametrize("backend,workers", [("thread", 0), ("process", 2)])
+def test_a_first_level_request_overtakes_the_queue(repository, backend, workers):
+    """On mid-vit (a bright batch of about a tenth of the slow one), one image a batch: a blocker of eight bright
+    images on /v2, then three /classify requests of the default level and one of level 1, each the bright astronaut.
+    Batches a good part of a second apart: the order of the answers is the order the batches ran. The level-1
+    request, sent last, runs next, ahead of the blocker's images still queued; under the thread backend the others
+    then in arrival order, after the blocker (under the process backend a worker's requests may wait for its frame
+    ahead to be taken, so only the level-1 request's place is asserted there). The model configuration lists the
+    levels as Triton does."""
+    settings = {"backend": backend, "model_repository": repository, "max_batch_size": 1, "request_timeout_s": 600,
+                "intra_op_threads": 1, "spin_wait": "false", "priority_aging_ms": 600_000,
+                "inference_unready_after_s": 600, "inference_kill_after_s": 1200,
+                **({"workers": workers} if workers else {})}
+    astronaut = photo_bytes("astronaut", "JPEG")
+    with running_service(**settings) as url, ThreadPoolExecutor(5) as pool:
+        config = httpx.get(f"{url}/v2/models/{MID}/config", timeout=30).json()["dynamic_batching"]
+        assert (config["priority_levels"], config["default_priority_level"]) == (2, 2)
+        answered = []
+        body, headers = v2_body("images", np.stack([BLOCKER] * 8))
+        blocker = pool.submit(httpx.post, f"{url}/v2/models/{MID}/infer", content=body, headers=headers, timeout=300)
+        blocker.add_done_callback(lambda _: answered.append("blocker"))
+        until(lambda: queued(url, MID) == 7, "the blocker's first image running, seven queued")
+        for i, priority in enumerate((0, 0, 0, 1)):
+            answer = pool.submit(httpx.post, f"{url}/classify", files={"file": ("astronaut.jpg", astronaut)},
+                                 params={"model": MID, "priority": priority}, timeout=300)
+            answer.add_done_callback(lambda _, i=i: answered.append(i))
+            # decoded: in the queue a moment later (or, under the process backend, in its worker's outbox)
+            until(lambda: decoded(url) == 1 + i, f"request {i} decoded")
+        assert blocker.result().status_code == 200
+        until(lambda: len(answered) == 5, "every request answered", timeout_s=600)
+        assert answered.index(3) < answered.index("blocker")
+        assert backend != "thread" or answered == [3, "blocker", 0, 1, 2]
+
+
+def queued(url: str, model: str) -> float:
+    """The model's images waiting for a batch."""
+    return metric(httpx.get(f"{url}/metrics", timeout=30).text, "vitserve_queue_depth", model=model)
+
+
+def decoded(url: str) -> float:
+    """Images the service has decoded."""
+    return metric(httpx.get(f"{url}/metrics", timeout=30).text, "vitserve_decode_seconds_count")

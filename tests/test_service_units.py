@@ -394,6 +394,29 @@ def test_batcher_fills_batches_splits_a_large_request_and_writes_each_row_back()
     assert big["batch_size"].tolist() == [4] * 4 + [4] * 2 and small["batch_size"].tolist() == [4, 4, 2, 2]
 
 
+@pytest.mark.parametrize("aging_s", [60.0, 0.0])
+def test_a_first_level_request_is_taken_first_unless_the_others_have_waited_the_aging(aging_s):
+    """One image per batch, the first held running: behind it two requests of the default level, then one of level
+    1 and one of level 2 of 3. With the aging far off, level 1 runs next, then level 2, then the default level in
+    arrival order; with an aging of 0 every waiting image counts as first-level at once: arrival order."""
+    gate = Gate()
+
+    async def go(batcher):
+        first = batcher.submit(images(0))
+        await gate.running()
+        waiting = [batcher.submit(images(value), priority=priority) for value, priority in
+                   ((1, 0), (2, 0), (3, 1), (4, 2))]
+        gate.go.set()
+        done = []
+        for entry, value in zip([first, *waiting], range(5)):
+            entry.future.add_done_callback(lambda f, value=value: done.append(value))
+        await asyncio.gather(first.future, *(e.future for e in waiting))
+        return done
+
+    order, _ = _run_batcher(go, gate, max_batch_size=1, aging_s=aging_s)
+    assert order == ([0, 3, 4, 1, 2] if aging_s else [0, 1, 2, 3, 4])
+
+
 def test_a_partial_batch_waits_only_while_another_request_is_preparing_and_at_most_the_delay():
     async def alone(batcher):
         one = images(1)

@@ -28,6 +28,7 @@ from ..runtime import CPU, Plan, Runner, batches_in_flight, choose_device, cuda_
 from ..settings import Settings
 from ..shared_memory import Regions, SharedIO
 from ..thread_names import name_pool_thread
+from ..urgency import request_priority
 from . import ModelStatus
 from .device_health import DeviceHealth, run_isolating
 from .lifecycle import ModelLifecycle, input_names
@@ -89,7 +90,8 @@ class LocalBackend(ModelLifecycle):
     def _start_batcher(self, graph: str) -> None:
         self.batchers[graph] = Batcher(
             graph, self._run_batch(graph), self.inference, self.metrics, self.settings.max_batch_size,
-            self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency)
+            self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency,
+            self.settings.priority_aging_ms / 1000)
         models = [i for i, e in enumerate(self.entries) if self.plans[e.key].graph == graph]
         self.batchers[graph].elsewhere = partial(self._preparing_elsewhere, models)
         self.batchers[graph].start()
@@ -197,7 +199,7 @@ class LocalBackend(ModelLifecycle):
         try:
             try:
                 entry = batcher.submit(records, top_k, jpegs if claim is None or claim.inputs is None else claim.inputs,
-                                       traces=[tracing.traceparent()])
+                                       traces=[tracing.traceparent()], priority=request_priority())
             except QueueFull as e:
                 raise overloaded(str(e), self.settings.retry_after_s) from None
             try:

@@ -33,6 +33,7 @@ from ..errors import Unavailable, from_wire, overloaded
 from ..records import kind_of, record_dtype
 from ..settings import Settings
 from ..shared_memory import SharedIO
+from ..urgency import request_priority
 from . import ModelStatus, wire
 from .wire import Op
 from .arena import BOARD_SLOTS, Arena, map_records
@@ -66,6 +67,7 @@ class _Queued:
     future: asyncio.Future
     since: float  # when it was queued here
     trace: str | None  # its span as a W3C traceparent, where traces are on (tracing.py)
+    priority: int  # its level, 1 first; 0: the default (urgency.py)
     frame: int | None = None
     sent: float = 0.0
 
@@ -314,10 +316,13 @@ class ProcessBackend:
         self._check_connected()
         outbox = self._outboxes[model]
         q = _Queued(self._leases[records.ctypes.data], top_k, jpegs, shared,
-                    asyncio.get_running_loop().create_future(), time.perf_counter(), tracing.traceparent())
+                    asyncio.get_running_loop().create_future(), time.perf_counter(), tracing.traceparent(),
+                    request_priority())
         outbox.pending.append(q)
         self._tell(outbox)
-        if not outbox.queued and not outbox.flushing:  # after this turn of the loop: others may join
+        # after this turn of the loop, so that others may join; a request of a first level goes past this worker's
+        # frames still waiting in the queue, which it would otherwise wait behind
+        if (not outbox.queued or q.priority) and not outbox.flushing:
             outbox.flushing = True
             asyncio.get_running_loop().call_soon(self._flush, outbox)
         try:
@@ -332,17 +337,20 @@ class ProcessBackend:
             raise
 
     def _flush(self, outbox: _Outbox) -> None:
-        """The outbox's requests as one frame per kind (and per place of the input: the records, or shared
-        memory), unless the inference process still holds frames of it that no batch has taken."""
+        """The outbox's requests as one frame per kind, place of the input (the records, or shared memory) and
+        priority level; while the inference process still holds frames of it that no batch has taken, only those
+        of a level above the default."""
         outbox.flushing = False
-        if outbox.queued or not outbox.pending or self._writer.is_closing():
+        sent = [q for q in outbox.pending if q.priority] if outbox.queued else outbox.pending
+        if not sent or self._writer.is_closing():
             return
         now = time.perf_counter()
-        by_arena: dict[tuple[Arena, bool], list[_Queued]] = {}
-        for q in outbox.pending:
-            by_arena.setdefault((q.lease.arena, q.shared is not None and q.shared.input is not None), []).append(q)
-        outbox.pending = []
-        for (arena, _), queued in by_arena.items():
+        by_arena: dict[tuple[Arena, bool, int], list[_Queued]] = {}
+        for q in sent:
+            by_arena.setdefault((q.lease.arena, q.shared is not None and q.shared.input is not None, q.priority),
+                                []).append(q)
+        outbox.pending = [q for q in outbox.pending if not q.priority] if outbox.queued else []
+        for (arena, _, priority), queued in by_arena.items():
             key = next(self._ids)
             for q in queued:
                 q.lease.holders += 1  # held until the frame's "done", whatever happens to the request
@@ -356,6 +364,8 @@ class ProcessBackend:
                 message["shared"] = [None if q.shared is None else q.shared.to_wire() for q in queued]
             if any(q.trace is not None for q in queued):  # (traces on: the batch's span joins them)
                 message["traces"] = [q.trace for q in queued]
+            if priority:
+                message["priority"] = priority
             if kind == "jpeg":
                 jpegs = [data for q in queued for data in q.jpegs]
                 arrays["jpegs"] = np.frombuffer(b"".join(jpegs), np.uint8)

@@ -176,7 +176,8 @@ class InferenceServer:
         traces = message.get("traces")  # (traces on)
         frame.entry = batcher.submit(frame.records, int(arrays["top_k"][kept].max()), row_inputs, rows,
                                      on_taken=lambda: self._taken(frame),
-                                     traces=traces and [traces[i] for i in kept.tolist()])
+                                     traces=traces and [traces[i] for i in kept.tolist()],
+                                     priority=message.get("priority", 0))
         frame.entry.future.add_done_callback(lambda future: self._finished(frame, future))
 
     def _requests_inputs(self, frame: Frame, message: dict, arrays: dict, kind: str) -> list[list] | None:

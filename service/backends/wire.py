@@ -30,6 +30,7 @@ class Op(StrEnum):
       BOARD   once, after HELLO: the shared-memory file where it counts its requests still decoding, per model
       SEEN    the status generation it now routes by (an unload waits for every worker's)
       RUN     a frame: requests whose images are in its arena, as each one's first slot, slot count and top-k
+              (and their priority level, and their traceparents where traces are on)
       CANCEL  a request of a frame given up (client gone, timeout): its slots leave the queue
     A worker asks, and the reply carries the same "id" (and "error" where it failed):
       EXPLAIN, LOAD, UNLOAD, INDEX, KEEP, RECALL, REGISTER_REGION, UNREGISTER_REGION, REGION_STATUS

@@ -6,9 +6,9 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from ..deadline import TIMEOUT_MS, set_deadline
 from ..pipeline import Pipeline, Pipelines, Results
 from ..schemas import ClassifyResponse
+from ..urgency import PRIORITY, TIMEOUT_MS, set_deadline, set_priority
 from .responses import json_response
 from .uploads import read_images, upload_body
 
@@ -21,6 +21,7 @@ class ClassifyQuery(BaseModel):
     top_k: int = Field(5, ge=1, le=100, description="how many labels per image")
     attention: bool = Field(False, description="keep the attention maps for GET /attention-map")
     timeout_ms: int | None = Field(None, ge=1, le=3_600_000, description=TIMEOUT_MS)
+    priority: int | None = Field(None, ge=0, le=100, description=PRIORITY)
 
 
 def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]]:
@@ -48,6 +49,7 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
     set_deadline(start, query.timeout_ms and query.timeout_ms / 1e3)
     model, top_k, attention = query.model, query.top_k, query.attention
     pipelines: Pipelines = request.app.state.pipelines
+    set_priority(query.priority, pipelines.settings.priority_levels)
     chosen = pipelines.get(model)  # an unknown or unready model fails before the body is read
     if attention:
         chosen.check_attention()

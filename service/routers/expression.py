@@ -6,10 +6,10 @@ import numpy as np
 
 from fastapi import APIRouter, Query, Request, Response
 
-from ..deadline import TIMEOUT_MS, set_deadline
 from ..faces import DetectorSettings, Faces
 from ..pipeline import Pipeline, Pipelines
 from ..schemas import ExpressionResponse
+from ..urgency import PRIORITY, TIMEOUT_MS, set_deadline, set_priority
 from .responses import json_response
 from .uploads import read_images, upload_body
 
@@ -33,11 +33,13 @@ async def expression(
     attention: bool = Query(False, description="keep each face's attention map for GET /attention-map (a "
                                                "transformer's: 400 for a CNN such as expression-fer2013)"),
     timeout_ms: int | None = Query(None, ge=1, le=3_600_000, description=TIMEOUT_MS),
+    priority: int | None = Query(None, ge=0, le=100, description=PRIORITY),
 ) -> Response:
     start = time.perf_counter()
     set_deadline(start, timeout_ms and timeout_ms / 1e3)
     pipelines: Pipelines = request.app.state.pipelines
     settings = pipelines.settings
+    set_priority(priority, settings.priority_levels)
     chosen = pipelines.get(model, task="expression")  # an unknown or unready model fails before the body is read
     if attention:
         chosen.check_attention()

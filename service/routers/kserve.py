@@ -20,7 +20,6 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field, ValidationError
 
-from ..deadline import set_deadline
 from ..errors import BadInput, TooLarge
 from ..open_inference import (Batch, check_shared_tensors, find_model, model_config, model_inputs, model_outputs,
                               extensions, served_metadata, shared_outputs)
@@ -28,6 +27,7 @@ from ..pipeline import Pipeline, Pipelines
 from ..shared_memory import Slice
 from ..statistics import current_statistics
 from ..thread_names import name_pool_thread
+from ..urgency import PRIORITY, set_deadline, set_priority
 from .shared_memory import client_host
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
@@ -83,6 +83,7 @@ class RequestParameters(BaseModel):
     timeout: int | None = Field(None, ge=1, description="the client's deadline in µs, as Triton reads it: a request "
                                                          "still unanswered then is dropped before its batch and "
                                                          "answered 504")
+    priority: int | None = Field(None, ge=0, le=100, description=PRIORITY)
 
 
 class InferenceRequest(BaseModel):
@@ -248,6 +249,7 @@ async def infer_version(request: Request, name: str, version_: str | None) -> Re
         parsed = parse_request(body, length, pipeline)
     header, (images, pixels) = parsed
     set_deadline(start, header.parameters.timeout and header.parameters.timeout / 1e6)
+    set_priority(header.parameters.priority, pipeline.settings.priority_levels)
     shared = requested_shared(pipeline, header)
     check_shared_tensors(_pipelines(request), client_host(request), (images, pixels), shared)
     out = await pipeline.tensors(images, pixels, shared)

@@ -1,25 +1,48 @@
-"""A request's deadline: when its client stops waiting for the answer. It is set once where the request arrives
+"""A request's deadline and priority, set once where it arrives and read where it waits.
+
+The deadline: when its client stops waiting for the answer. It is set once where the request arrives
 (`timeout_ms` on the REST routes, the Open Inference Protocol's `timeout` parameter in microseconds as Triton reads
 it, a gRPC call's own deadline) and read where the request would wait or work: before its decode, before its
 batch, and as the bound on its wait in the queue. A request past it is dropped there, its images never run, and
 answered 504 `deadline_exceeded` (gRPC DEADLINE_EXCEEDED).
 
-A context variable, as the request's task and nothing else carries it: every request runs in a task of its own.
+The priority, Triton's: level 1 is taken into a batch first, then 2, up to VITSERVE_PRIORITY_LEVELS, the default
+(a request's `priority` 0 or none). So that no level starves, an image that has waited VITSERVE_PRIORITY_AGING_MS
+is taken as a level-1 one: under a flood of first-level requests, the others wait that long and one batch more.
+
+Context variables, as the request's task and nothing else carries them: every request runs in a task of its own.
 """
 import time
 from contextvars import ContextVar
 
-from .errors import DeadlineExceeded
+from .errors import BadInput, DeadlineExceeded
 
 TIMEOUT_MS = ("the client's deadline in ms from the request's arrival: a request still unanswered then is dropped "
               "before its decode or its batch, its images never run, and answered 504 deadline_exceeded")
 
+PRIORITY = ("Triton's priority: 1 is taken into a batch first, then 2, up to VITSERVE_PRIORITY_LEVELS, the default "
+            "(0 or none); an image that has waited VITSERVE_PRIORITY_AGING_MS is taken as a level-1 one")
+
 _DEADLINE: ContextVar[float | None] = ContextVar("deadline", default=None)  # time.perf_counter() seconds
+_PRIORITY: ContextVar[int] = ContextVar("priority", default=0)  # 0: the default level
 
 
 def set_deadline(start: float, timeout_s: float | None) -> None:
     """This request's deadline: `timeout_s` after `start` (time.perf_counter()), or none."""
     _DEADLINE.set(None if timeout_s is None else start + timeout_s)
+
+
+def set_priority(priority: int | None, levels: int) -> None:
+    """This request's priority level (1 first; 0 or None: the default, `levels`); BadInput beyond the levels."""
+    if priority is not None and not 0 <= priority <= levels:
+        raise BadInput(f"priority {priority}: 1 (first) to {levels} (VITSERVE_PRIORITY_LEVELS), or 0 for the "
+                       "default", "bad_priority")
+    _PRIORITY.set(priority if priority is not None and priority < levels else 0)  # the last level is the default
+
+
+def request_priority() -> int:
+    """This request's priority level; 0 for the default (the last)."""
+    return _PRIORITY.get()
 
 
 def request_deadline() -> float | None:
