@@ -138,3 +138,18 @@ class ExpressionResponse(BaseModel):
     image_size: list[int] = Field(description="[width, height] after EXIF rotation")
     faces: list[Face]
     timings_ms: ExpressionTimings
+
+
+class PhotoFaces(BaseModel):
+    """One photo of several sent as `files` to /expression."""
+    filename: str | None
+    image_size: list[int] = Field(description="[width, height] after EXIF rotation")
+    faces: list[Face]
+    timings_ms: ExpressionTimings
+
+
+class ExpressionResults(BaseModel):
+    """/expression's answer to several photos (`files`)."""
+    model: str
+    results: list[PhotoFaces | ImageError] = Field(description="one entry per photo, in order: its faces, or its "
+                                                               "error where it alone could not be read")

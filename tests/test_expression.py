@@ -70,6 +70,29 @@ def test_astronaut_has_one_face_where_it_is_with_its_landmarks(url):
     assert list(vit["faces"][0]["probabilities"]) == list(RAF_DB_LABELS)
 
 
+def test_several_photos_are_answered_each_in_order_and_one_that_cannot_be_read_gets_its_own_error(url):
+    astronaut, group = photo_bytes("astronaut", "JPEG"), encode(group_photo((0,))[0])
+    alone = post(url, astronaut).json()["faces"]
+    files = [("files", ("astronaut.jpg", astronaut)), ("files", ("cut.jpg", astronaut[:len(astronaut) // 3])),
+             ("files", ("group.jpg", group)), ("files", ("notes.txt", b"no photo"))]
+    r = httpx.post(f"{url}/expression", files=files, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "expression-fer2013" and [x["filename"] for x in body["results"]] == [
+        "astronaut.jpg", "cut.jpg", "group.jpg", "notes.txt"]
+    her, cut, team, notes = body["results"]
+    assert [f["box"] for f in her["faces"]] == [f["box"] for f in alone] and her["image_size"] == [512, 512]
+    assert her["faces"][0]["expression"] == alone[0]["expression"] == "happiness"
+    assert cut["error"]["code"] == "bad_image" and notes["error"]["code"] == "unsupported_media_type"
+    assert len(team["faces"]) >= 2 and "error" not in team
+    # none readable: the request's error; two photos as 'file': refused, as before
+    bad = httpx.post(f"{url}/expression", files=files[1:2] + files[3:], timeout=60)
+    assert bad.status_code in (400, 415) and bad.json()["error"]["code"] in ("bad_image", "unsupported_media_type")
+    twice = httpx.post(f"{url}/expression", files=[("file", ("a.jpg", astronaut)), ("file", ("b.jpg", astronaut))],
+                       timeout=60)
+    assert twice.status_code == 400 and twice.json()["error"]["code"] == "one_image"
+
+
 def test_her_mirrored_face_and_her_face_five_times_turned_and_smaller_smile_too(url):
     mirrored = Image.fromarray(photos.astronaut()).transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     (face,) = post(url, encode(mirrored, quality=92)).json()["faces"]

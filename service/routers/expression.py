@@ -1,4 +1,6 @@
-"""POST /expression: find the faces in a photo and give each one's expression probabilities."""
+"""POST /expression: find the faces in a photo (or in each of several) and give each one's expression
+probabilities."""
+import asyncio
 import time
 import uuid
 
@@ -6,23 +8,26 @@ import numpy as np
 
 from fastapi import APIRouter, Query, Request, Response
 
+from ..errors import BadInput
 from ..faces import DetectorSettings, Faces
-from ..pipeline import Pipeline, Pipelines
-from ..schemas import ExpressionResponse
+from ..pipeline import IMAGE_ERRORS, Pipeline, Pipelines
+from ..schemas import ExpressionResponse, ExpressionResults
 from ..urgency import PRIORITY, TIMEOUT_MS, set_deadline, set_priority
 from .responses import json_response
-from .uploads import read_images, upload_body
+from .uploads import read_uploads, upload_body
 
 router = APIRouter(tags=["inference"])
 
 
 @router.post(
-    "/expression", response_model=ExpressionResponse,
+    "/expression", response_model=ExpressionResponse | ExpressionResults,
     summary="Facial expressions of every face in a photo",
     description="Detects faces and their five landmarks (MTCNN), aligns each face by its landmarks, and classifies "
                 "all faces of the image in one batch. `detect=false` takes the whole image as one aligned face "
-                "crop. No face: 200 with an empty list. Example: `curl -F file=@team.jpg localhost:8000/expression`.",
-    openapi_extra=upload_body({"file": "a photo (JPEG, PNG, ...)"}),
+                "crop. No face: 200 with an empty list. Several photos as `files`: one entry each, in order, a "
+                "photo that cannot be read with its own error. Example: "
+                "`curl -F file=@team.jpg localhost:8000/expression`.",
+    openapi_extra=upload_body({"file": "a photo (JPEG, PNG, ...)"}, several="files"),
 )
 async def expression(
     request: Request,
@@ -43,9 +48,31 @@ async def expression(
     chosen = pipelines.get(model, task="expression")  # an unknown or unready model fails before the body is read
     if attention:
         chosen.check_attention()
-    ((_, data),) = await read_images(request, ("file",), 1)
+    uploads = await read_uploads(request, ("file", "files"), settings.max_files)
+    if (fields := [field for field, _, _ in uploads]).count("file") > 1:  # several photos come as `files`
+        raise BadInput(f"{fields.count('file')} 'file' parts; send one photo as 'file', or several as 'files'",
+                       "one_image")
     detector = DetectorSettings(settings.face_min_size, max_faces or settings.face_max, settings.face_detect_side)
     pipeline = pipelines.get(model, task="expression")  # routed once the body is in (Pipelines.get)
+    if fields == ["file"]:
+        photo = await faces_of(pipeline, uploads[0][2], detect, detector, attention, start)
+        return json_response({"model": pipeline.name, **photo})
+    # several photos, each its own detection and its own faces' batch (which the batcher merges with the others')
+    answers = await asyncio.gather(*(faces_of(pipeline, data, detect, detector, attention, start)
+                                     for _, _, data in uploads), return_exceptions=True)
+    failed = [a for a in answers if isinstance(a, BaseException) and not isinstance(a, IMAGE_ERRORS)]
+    if failed:
+        raise failed[0]
+    if all(isinstance(a, BaseException) for a in answers):
+        raise answers[0]  # none could be read: the request's error
+    results = [{"filename": filename, "error": {"code": a.code, "message": a.message}} if isinstance(a, Exception)
+               else {"filename": filename, **a} for (_, filename, _), a in zip(uploads, answers)]
+    return json_response({"model": pipeline.name, "results": results})
+
+
+async def faces_of(pipeline: Pipeline, data: bytes, detect: bool, detector: DetectorSettings, attention: bool,
+                   start: float) -> dict:
+    """One photo's answer: its size, its faces with their expressions, and the timings."""
     size, found, found_ms, out = await pipeline.faces(data, detect, detector, keep=attention)
     labels, f, faces = pipeline.entry.labels, out.fields, []
     for i, (probs, batch) in enumerate(zip(f.get("probs", []), f.get("batch_size", []))):
@@ -60,7 +87,7 @@ async def expression(
     timings = {"decode_detect_ms": found_ms, "queue_ms": float(f["queue_ms"].max()) if faces else 0.0,
                "inference_ms": float(f["inference_ms"].max()) if faces else 0.0,
                "total_ms": (time.perf_counter() - start) * 1e3}
-    return json_response({"model": pipeline.name, "image_size": list(size), "faces": faces, "timings_ms": timings})
+    return {"image_size": list(size), "faces": faces, "timings_ms": timings}
 
 
 def face_geometry(found: Faces, i: int, pipeline: Pipeline) -> dict:

@@ -47,12 +47,18 @@ def parse_multipart(body: bytes, content_type: str) -> list[tuple[str, str | Non
 
 
 async def read_images(request: Request, fields: tuple[str, ...], max_files: int) -> list[tuple[str | None, bytes]]:
-    """The (filename, bytes) of the parts named one of `fields`, in order: every such part is an image (on routes
-    that take one, a second is an error, not silently dropped). No image at all is 400 on every route."""
+    """The (filename, bytes) of the parts named one of `fields`, in order (read_uploads)."""
+    return [(filename, data) for _, filename, data in await read_uploads(request, fields, max_files)]
+
+
+async def read_uploads(request: Request, fields: tuple[str, ...], max_files: int
+                       ) -> list[tuple[str, str | None, bytes]]:
+    """The (field, filename, bytes) of the parts named one of `fields`, in order: every such part is an image (on
+    routes that take one, a second is an error, not silently dropped). No image at all is 400 on every route."""
     content_type = request.headers.get("content-type", "")
     body = await request.body()
     parts = parse_multipart(body, content_type) if body or "multipart" in content_type else []
-    images = [(filename, data) for field, filename, data in parts if field in fields]
+    images = [(field, filename, data) for field, filename, data in parts if field in fields]
     if not images:
         raise BadInput(f"send an image as the multipart field '{fields[0]}'"
                        + (f" (or several as '{fields[1]}')" if len(fields) > 1 else ""), "no_image")
