@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
+from . import tracing
 from .errors import (BadInput, DeadlineExceeded, Forbidden, NotFound, ServiceError, TooLarge, Unavailable,
                      UnsupportedMedia)
 from .metrics import Metrics
@@ -204,7 +205,8 @@ class InferenceService:
 
     @rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
-        return await self.infer(request, peer_host(context.peer()), context.time_remaining())
+        with tracing.call_span("ModelInfer", context.invocation_metadata() or ()):
+            return await self.infer(request, peer_host(context.peer()), context.time_remaining())
 
     @rpc
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context) -> pb.RepositoryIndexResponse:

@@ -51,6 +51,15 @@ def request_span(method: str, path: str, headers: dict[str, str]) -> AbstractCon
                                          attributes={"http.request.method": method, "url.path": path})
 
 
+def call_span(method: str, metadata) -> AbstractContextManager:
+    """A gRPC call's server span, in the caller's trace where its metadata carries a traceparent (a no-op where
+    traces are off)."""
+    if _tracer is None:
+        return _OFF
+    return request_span("gRPC", method, {key: value for key, value in metadata
+                                         if key in ("traceparent", "tracestate")})
+
+
 def span(name: str, **attributes) -> AbstractContextManager:
     """A child of the current span (a no-op where traces are off)."""
     return _OFF if _tracer is None else _tracer.start_as_current_span(name, attributes=attributes)

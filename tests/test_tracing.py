@@ -11,9 +11,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+import tritonclient.grpc as triton_grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
                                                                       ExportTraceServiceResponse)
-from service_process import photo_bytes, running_service
+from service_process import ROOT, free_port, model_pixels, photo_bytes, running_service
 
 CALLER_TRACE, CALLER_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 
@@ -83,6 +84,24 @@ def test_a_callers_trace_comes_back_out_of_the_exporter_with_the_services_spans_
         batch = found["batch"]
         assert [link.span_id for link in batch.links] == [request.span_id]
         assert {a.key: a.value.int_value for a in batch.attributes}["vitserve.batch_size"] == 1
+
+
+def test_a_grpc_callers_trace_goes_on_through_model_infer(monkeypatch):
+    with otlp_receiver() as (endpoint, spans):
+        monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        port = free_port()
+        with running_service(backend="process", workers=1, grpc_port=port) as url:
+            pixels = model_pixels(ROOT / "model_repository" / "shapes-vit", photo_bytes("chelsea", "JPEG"))
+            with triton_grpc.InferenceServerClient(f"127.0.0.1:{port}") as client:
+                images = triton_grpc.InferInput("images", [1, *pixels.shape], "UINT8")
+                images.set_data_from_numpy(pixels[None])
+                client.infer("shapes-vit", [images], headers={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"})
+            found = spans_of(spans, CALLER_TRACE, {"gRPC ModelInfer", "queue", "batch"})
+        call = found["gRPC ModelInfer"]
+        assert call.parent_span_id.hex() == CALLER_SPAN
+        assert found["queue"].parent_span_id == found["batch"].parent_span_id == call.span_id
 
 
 def test_traces_are_off_unless_asked_and_cost_no_span(monkeypatch):
