@@ -70,7 +70,8 @@ class Aborted(Exception):
 
 
 class Context:
-    """What the servicer asks of a call's context: its peer, as gRPC writes it, metadata and abort."""
+    """What the servicer asks of a call's context: its peer, as gRPC writes it, metadata, the time its deadline
+    leaves (none here) and abort."""
 
     def __init__(self, peer: str):
         self._peer = peer
@@ -80,6 +81,9 @@ class Context:
 
     def invocation_metadata(self) -> tuple:
         return ()
+
+    def time_remaining(self) -> float | None:
+        return None
 
     async def abort(self, code: grpc.StatusCode, message: str, trailing_metadata=()) -> None:
         raise Aborted(code, message)
