@@ -98,7 +98,7 @@ async def attention_map(request: Request, id: str = Query(..., description="an i
 
 
 @router.post("/attention-map", summary="Classify one image and return its attention map",
-             responses={200: {"content": PNG_EXAMPLE}},
+             responses={200: {"content": PNG_EXAMPLE}, 504: {"description": "past the request's timeout_ms"}},
              description="Example: `curl -F file=@cat.jpg 'localhost:8000/attention-map?method=rollout' -o map.png`.",
              openapi_extra=upload_body({"file": "one image"}))
 async def attention_map_for_image(

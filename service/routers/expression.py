@@ -21,6 +21,7 @@ router = APIRouter(tags=["inference"])
 
 @router.post(
     "/expression", response_model=ExpressionResponse | ExpressionResults,
+    responses={504: {"description": "past the request's timeout_ms"}},
     summary="Facial expressions of every face in a photo",
     description="Detects faces and their five landmarks (MTCNN), aligns each face by its landmarks, and classifies "
                 "all faces of the image in one batch. `detect=false` takes the whole image as one aligned face "
