@@ -250,8 +250,8 @@ def _explain_graph(model: nn.Module, work: Path, inputs, log: Progress) -> tuple
 
 
 def _resize(spec) -> dict:
-    """The manifest's resize: the short side (aspect kept), or exactly resize_to with its longer side as the least
-    a decoder may reduce the photo to."""
+    """The manifest's resize: the short side (aspect kept), or exactly resize_to, with its longer side as the side
+    of /expression's aligned face squares."""
     if spec.resize_to is None:
         return {"resize_short_side": round(spec.img_size / spec.crop_pct)}
     return {"resize_short_side": max(spec.resize_to), "resize_to": list(spec.resize_to)}

@@ -132,6 +132,11 @@ def _labels(config: dict) -> list[str]:
     return [str(id2label[str(i)]) for i in indices]
 
 
+def _no_classifier() -> WeightsError:
+    return WeightsError("the folder holds a base model without a classifier (no classifier.weight): fine-tune it "
+                        "for classification first")
+
+
 def _joined(state: dict[str, torch.Tensor], prefix: str, names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
     """q, k and v at `prefix` + each of `names`, concatenated into one qkv weight (and bias, where they have one)."""
     out = {"weight": torch.cat([state.pop(f"{prefix}{n}.weight") for n in names])}
@@ -158,10 +163,8 @@ def _vit(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, 
     prefix = next((p for p in ("vit.", "deit.") if any(k.startswith(p) for k in state)), "")
     state = {k.removeprefix(prefix): v for k, v in state.items()
              if not k.startswith((f"{prefix}pooler.", f"{prefix}embeddings.mask_token"))}
-    heads = [k for k in ("classifier.weight", "cls_classifier.weight") if k in state]
-    if not heads:
-        raise WeightsError("the folder holds a base model without a classifier (no classifier.weight): "
-                           "fine-tune it for classification first")
+    if not any(k in state for k in ("classifier.weight", "cls_classifier.weight")):
+        raise _no_classifier()
     depth, dim = config["num_hidden_layers"], config["hidden_size"]
     for i in range(depth):
         qkv = _joined(state, f"encoder.layer.{i}.attention.attention.", ("query", "key", "value"))
@@ -197,8 +200,7 @@ def _swin(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str,
     state = {k.removeprefix("swin."): v for k, v in state.items()
              if not k.endswith(("relative_position_index", "attn_mask")) and not k.startswith("swin.pooler")}
     if "classifier.weight" not in state:
-        raise WeightsError("the folder holds a base model without a classifier (no classifier.weight): "
-                           "fine-tune it for classification first")
+        raise _no_classifier()
     for i, depth in enumerate(depths):
         for j in range(depth):
             qkv = _joined(state, f"encoder.layers.{i}.blocks.{j}.attention.self.", ("query", "key", "value"))

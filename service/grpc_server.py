@@ -37,7 +37,7 @@ from .protocol import open_inference_pb2 as pb
 from .settings import Settings
 from .shared_memory import NO_CUDA_SHARED_MEMORY, no_cuda_region, requested_slice
 from .statistics import current_statistics
-from .urgency import set_deadline, set_priority
+from .urgency import set_urgency
 
 log = logging.getLogger("vitserve")
 
@@ -271,11 +271,10 @@ class InferenceService:
         timeout_us, priority = given.get("timeout"), given.get("priority")
         if timeout_us is not None and (not isinstance(timeout_us, int) or timeout_us < 1):
             raise BadInput(f"parameter timeout {timeout_us!r}: a whole number of microseconds, at least 1")
-        limits = [s for s in (call_s, timeout_us and timeout_us / 1e6) if s is not None]
-        set_deadline(time.perf_counter(), min(limits, default=None))
         if priority is not None and not isinstance(priority, int):
             raise BadInput(f"parameter priority {priority!r}: a whole number", "bad_priority")
-        set_priority(priority, self.pipelines.settings.priority_levels)
+        limits = [s for s in (call_s, timeout_us and timeout_us / 1e6) if s is not None]
+        set_urgency(time.perf_counter(), min(limits, default=None), priority, self.pipelines.settings.priority_levels)
         pipeline = self.pipelines.get(request.model_name, version=request.model_version)
         places = [requested_slice(parameters(t.parameters), f"input {t.name!r}") for t in request.inputs]
         sent = [i for i, place in enumerate(places) if place is None]  # the inputs whose values travel here

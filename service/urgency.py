@@ -27,13 +27,10 @@ _DEADLINE: ContextVar[float | None] = ContextVar("deadline", default=None)  # ti
 _PRIORITY: ContextVar[int] = ContextVar("priority", default=0)  # 0: the default level
 
 
-def set_deadline(start: float, timeout_s: float | None) -> None:
-    """This request's deadline: `timeout_s` after `start` (time.perf_counter()), or none."""
+def set_urgency(start: float, timeout_s: float | None, priority: int | None, levels: int) -> None:
+    """This request's deadline, `timeout_s` after `start` (time.perf_counter()) or none, and its priority level
+    (1 first; 0 or None: the default, `levels`); BadInput beyond the levels."""
     _DEADLINE.set(None if timeout_s is None else start + timeout_s)
-
-
-def set_priority(priority: int | None, levels: int) -> None:
-    """This request's priority level (1 first; 0 or None: the default, `levels`); BadInput beyond the levels."""
     if priority is not None and not 0 <= priority <= levels:
         raise BadInput(f"priority {priority}: 1 (first) to {levels} (VITSERVE_PRIORITY_LEVELS), or 0 for the "
                        "default", "bad_priority")

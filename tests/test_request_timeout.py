@@ -41,10 +41,10 @@ def repository(tmp_path_factory) -> Path:
     return repo
 
 
-def figures(url: str) -> tuple[float, float]:
+def figures(url: str, model: str = MODEL) -> tuple[float, float]:
     """The model's images computed (counted as each batch ends) and images queued (not in a batch)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return metric(text, "vitserve_images_total", model=MODEL), metric(text, "vitserve_queue_depth", model=MODEL)
+    return metric(text, "vitserve_images_total", model=model), metric(text, "vitserve_queue_depth", model=model)
 
 
 def until(condition, what: str, timeout_s: float = 120):
@@ -170,7 +170,7 @@ def test_a_first_level_request_overtakes_the_queue(repository, backend, workers)
         body, headers = v2_body("images", np.stack([BLOCKER] * 8))
         blocker = pool.submit(httpx.post, f"{url}/v2/models/{MID}/infer", content=body, headers=headers, timeout=300)
         blocker.add_done_callback(lambda _: answered.append("blocker"))
-        until(lambda: queued(url, MID) == 7, "the blocker's first image running, seven queued")
+        until(lambda: figures(url, MID)[1] == 7, "the blocker's first image running, seven queued")
         for i, priority in enumerate((0, 0, 0, 1)):
             answer = pool.submit(httpx.post, f"{url}/classify", files={"file": ("astronaut.jpg", astronaut)},
                                  params={"model": MID, "priority": priority}, timeout=300)
@@ -181,11 +181,6 @@ def test_a_first_level_request_overtakes_the_queue(repository, backend, workers)
         until(lambda: len(answered) == 5, "every request answered", timeout_s=600)
         assert answered.index(3) < answered.index("blocker")
         assert backend != "thread" or answered == [3, "blocker", 0, 1, 2]
-
-
-def queued(url: str, model: str) -> float:
-    """The model's images waiting for a batch."""
-    return metric(httpx.get(f"{url}/metrics", timeout=30).text, "vitserve_queue_depth", model=model)
 
 
 def decoded(url: str) -> float:

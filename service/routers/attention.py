@@ -20,7 +20,7 @@ from ..cache import AttentionRecord
 from ..decode import decode
 from ..errors import NotFound
 from ..pipeline import Pipeline, Pipelines
-from ..urgency import PRIORITY, TIMEOUT_MS, set_deadline, set_priority
+from ..urgency import PRIORITY, TIMEOUT_MS, set_urgency
 from .classify import predictions
 from .responses import json_response
 from .uploads import read_images, upload_body
@@ -108,9 +108,8 @@ async def attention_map_for_image(
     timeout_ms: int | None = Query(None, ge=1, le=3_600_000, description=TIMEOUT_MS),
     priority: int | None = Query(None, ge=0, le=100, description=PRIORITY),
 ) -> Response:
-    set_deadline(time.perf_counter(), timeout_ms and timeout_ms / 1e3)
     pipelines: Pipelines = request.app.state.pipelines
-    set_priority(priority, pipelines.settings.priority_levels)
+    set_urgency(time.perf_counter(), timeout_ms and timeout_ms / 1e3, priority, pipelines.settings.priority_levels)
     pipelines.get(model).check_attention()  # an unknown, unready or CNN model fails before the body is read
     ((_, data),) = await read_images(request, ("file",), 1)
     pipeline = pipelines.get(model)  # routed once the body is in (Pipelines.get)

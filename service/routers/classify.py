@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 
 from ..pipeline import Pipeline, Pipelines, Results
 from ..schemas import ClassifyResponse
-from ..urgency import PRIORITY, TIMEOUT_MS, set_deadline, set_priority
+from ..urgency import PRIORITY, TIMEOUT_MS, set_urgency
 from .responses import json_response
 from .uploads import read_images, upload_body
 
@@ -16,7 +16,7 @@ router = APIRouter(tags=["inference"])
 
 
 class ClassifyQuery(BaseModel):
-    """The query of POST /classify, as FastAPI documents it and routers/hot.py checks it."""
+    """The query of POST /classify, as FastAPI documents it and hot_routes.py checks it."""
     model: str | None = Field(None, description="model name (default: the server's default model)")
     top_k: int = Field(5, ge=1, le=100, description="how many labels per image")
     attention: bool = Field(False, description="keep the attention maps for GET /attention-map")
@@ -46,10 +46,9 @@ def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]
 )
 async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -> Response:
     start = time.perf_counter()
-    set_deadline(start, query.timeout_ms and query.timeout_ms / 1e3)
     model, top_k, attention = query.model, query.top_k, query.attention
     pipelines: Pipelines = request.app.state.pipelines
-    set_priority(query.priority, pipelines.settings.priority_levels)
+    set_urgency(start, query.timeout_ms and query.timeout_ms / 1e3, query.priority, pipelines.settings.priority_levels)
     chosen = pipelines.get(model)  # an unknown or unready model fails before the body is read
     if attention:
         chosen.check_attention()

@@ -12,7 +12,7 @@ from ..errors import BadInput
 from ..faces import DetectorSettings, Faces
 from ..pipeline import IMAGE_ERRORS, Pipeline, Pipelines
 from ..schemas import ExpressionResponse, ExpressionResults
-from ..urgency import PRIORITY, TIMEOUT_MS, set_deadline, set_priority
+from ..urgency import PRIORITY, TIMEOUT_MS, set_urgency
 from .responses import json_response
 from .uploads import read_uploads, upload_body
 
@@ -42,10 +42,9 @@ async def expression(
     priority: int | None = Query(None, ge=0, le=100, description=PRIORITY),
 ) -> Response:
     start = time.perf_counter()
-    set_deadline(start, timeout_ms and timeout_ms / 1e3)
     pipelines: Pipelines = request.app.state.pipelines
     settings = pipelines.settings
-    set_priority(priority, settings.priority_levels)
+    set_urgency(start, timeout_ms and timeout_ms / 1e3, priority, settings.priority_levels)
     chosen = pipelines.get(model, task="expression")  # an unknown or unready model fails before the body is read
     if attention:
         chosen.check_attention()

@@ -27,7 +27,7 @@ from ..pipeline import Pipeline, Pipelines
 from ..shared_memory import Slice
 from ..statistics import current_statistics
 from ..thread_names import name_pool_thread
-from ..urgency import PRIORITY, set_deadline, set_priority
+from ..urgency import PRIORITY, set_urgency
 from .shared_memory import client_host
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
@@ -248,8 +248,8 @@ async def infer_version(request: Request, name: str, version_: str | None) -> Re
     if parsed is None or pipeline is not first:  # (reloaded while it was parsed: rare, checked again here)
         parsed = parse_request(body, length, pipeline)
     header, (images, pixels) = parsed
-    set_deadline(start, header.parameters.timeout and header.parameters.timeout / 1e6)
-    set_priority(header.parameters.priority, pipeline.settings.priority_levels)
+    timeout_us, priority = header.parameters.timeout, header.parameters.priority
+    set_urgency(start, timeout_us and timeout_us / 1e6, priority, pipeline.settings.priority_levels)
     shared = requested_shared(pipeline, header)
     check_shared_tensors(_pipelines(request), client_host(request), (images, pixels), shared)
     out = await pipeline.tensors(images, pixels, shared)
