@@ -14,6 +14,7 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from .decode import Photo, decode, decode_size, model_input, upload_input
 from .errors import BadInput, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia, overloaded
 from .faces import DetectorSettings, FaceDetector, Faces, align
 from .gpu_decode import is_jpeg
+from .heads import head
 from .metrics import Metrics
 from .records import TIMINGS, output_names, record_dtype, results
 from .response_cache import ResponseCache, upload_key
@@ -50,6 +52,27 @@ class Results:
     photos: list[Photo | None] | None = None
     inputs: np.ndarray | None = None
     errors: dict[int, ServiceError] = field(default_factory=dict)
+
+
+# fills a job's records in place: each image's decode ms, and the decoded photos where they are kept
+Fill = Callable[[np.ndarray], tuple[list[float], list[Photo | None] | None]]
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's images on their way through one model (Pipeline._run: fill, batch, collect): n records of
+    one kind, how they are filled (in the decode pool, unless there is nothing to decode), and what the run needs
+    beside them."""
+    kind: str  # of records (records.py): "image", "tensor", or "jpeg" (decoded with the batch on the GPU)
+    n: int
+    fill: Fill
+    top_k: int = 1  # labels per image the answer needs; 0: the graph's outputs alone (KServe v2)
+    keep: bool = False  # the photos and the model inputs kept, for attention maps
+    in_pool: bool = True  # filled in the decode pool (False: a copy of tensors, no decode: not worth a hop)
+    jpegs: list[bytes] | None = None  # "jpeg" records' bytes
+    shared: SharedIO | None = None  # where a KServe v2 request's input and outputs lie in shared memory
+    deadline: float | None = None  # the request's (urgency.py) and its traceparent, read on the event loop
+    trace: str | None = None
 
 
 # what one upload of several can fail with alone: the others are still answered (BadInput covers bad_image)
@@ -85,7 +108,10 @@ class Pipeline:
         self.detector, self.detector_problem = detector, detector_problem  # expression models' faces
         # the name clients call it by; the key the backend serves this version by (NAME, or NAME@VERSION)
         self.name, self.key, self.policy = entry.name, entry.key, entry.policy
-        self.fields = [*output_names(entry), "probs", "top_index", "top_score", *TIMINGS]
+        # an answer's fields: the graph's outputs, what its head makes of them (heads.py) where labels are asked
+        # for, and the timings
+        self.output_fields = [*output_names(entry), *TIMINGS]
+        self.fields = [*output_names(entry), *(name for name, *_ in head(entry).fields()), *TIMINGS]
         self.attention_outputs = list(entry.attention["outputs"].values()) if entry.attention else []
         self.stats = metrics.request_observer(self.name, str(entry.version))
 
@@ -150,7 +176,7 @@ class Pipeline:
                 decode_ms.append(self._decoded(start))
             return decode_ms, photos if keep else None
 
-        out = await self._run("image", len(uploads), fill, top_k, keep)
+        out = await self._run(Job("image", len(uploads), fill, top_k, keep))
         out.errors = errors
         return out
 
@@ -160,7 +186,7 @@ class Pipeline:
                 decode_size(data, self.settings.max_image_pixels)
             return [0.0] * len(uploads), None
 
-        return await self._run("jpeg", len(uploads), check, top_k, False, jpegs=uploads)
+        return await self._run(Job("jpeg", len(uploads), check, top_k, jpegs=uploads))
 
     @counted
     async def faces(self, upload: bytes, detect: bool, settings: DetectorSettings, keep: bool = False
@@ -195,7 +221,7 @@ class Pipeline:
                 records["image"][i] = model_input(face.image, self.policy)
             return [found_ms] * len(photos), photos if keep else None
 
-        return size, found, found_ms, await self._run("image", len(photos), fill, 1, keep)
+        return size, found, found_ms, await self._run(Job("image", len(photos), fill, 1, keep))
 
     def _detector(self) -> FaceDetector:
         if self.detector is None:
@@ -221,7 +247,7 @@ class Pipeline:
                 raise BadInput(f"output {name!r} in shared memory: shared_memory_byte_size {place.byte_size} is "
                                f"too small for its {need} bytes")
 
-        def filler(kind: str, x: np.ndarray | SharedTensor):
+        def filler(kind: str, x: np.ndarray | SharedTensor) -> Fill:
             def fill(records: np.ndarray) -> tuple[list[float], None]:
                 if not isinstance(x, SharedTensor):  # (shared memory is read straight into the batch)
                     records[kind] = x  # one copy of the batch, nothing to decode: not worth a thread hop
@@ -235,13 +261,14 @@ class Pipeline:
                 return None
             return SharedIO(place, {name: s.rows(first, len(x), row_bytes[name]) for name, s in outputs.items()})
 
+        def job(kind: str, x: np.ndarray | SharedTensor, first: int) -> Job:  # the graph's outputs alone: top_k 0
+            return Job(kind, len(x), filler(kind, x), 0, in_pool=False, shared=shared(x, first))
+
         if len(batches) == 1:  # (the usual request: no tasks to make and gather)
             (kind, x), = batches
-            return await self._run(kind, len(x), filler(kind, x), 1, False, in_pool=False, shared=shared(x, 0))
+            return await self._run(job(kind, x, 0))
         firsts = [0, len(batches[0][1])]
-        runs = [asyncio.ensure_future(self._run(kind, len(x), filler(kind, x), 1, False, in_pool=False,
-                                                shared=shared(x, first)))
-                for (kind, x), first in zip(batches, firsts)]
+        runs = [asyncio.ensure_future(self._run(job(kind, x, first))) for (kind, x), first in zip(batches, firsts)]
         try:
             done = await asyncio.gather(*runs)
         except BaseException:  # one failed (overloaded, say) or the client left: the other leaves the queue too
@@ -257,50 +284,55 @@ class Pipeline:
             raise TooLarge(f"{n} images in one request; this model's queue holds {self.settings.queue_limit} "
                            "(VITSERVE_QUEUE_LIMIT), so send at most that many at once", "too_many_images")
 
-    async def _run(self, kind: str, n: int, fill, top_k: int, keep: bool, in_pool: bool = True,
-                   jpegs: list[bytes] | None = None, shared: SharedIO | None = None) -> Results:
-        """Fill n records (in the decode pool), run them, and copy the results out."""
-        if n == 0:
+    async def _run(self, job: Job) -> Results:
+        """The job's three steps: its records filled (in the decode pool), batched and run, its results copied
+        out."""
+        if job.n == 0:
             return Results({}, [])
-        self._check_count(n)
-
-        deadline, trace = request_deadline(), tracing.traceparent()
-
-        def fill_and_run(records: np.ndarray) -> tuple[list[float], list[Photo] | None, bool]:
-            """In the decode pool: fill the records, and run them there too where the model is idle (a lone
-            request: two thread hops fewer); whether they ran. Past the request's deadline, neither."""
-            check_deadline(deadline, self.name, "before its decode")
-            decode_ms, photos = fill(records)
-            check_deadline(deadline, self.name, "after its decode")
-            return decode_ms, photos, kind != "jpeg" and self.backend.run_here(self.key, records, top_k, trace)
-
-        with self.backend.records(self.key, kind, n) as records:
-            if in_pool:
-                with self.backend.preparing(self.key), tracing.span("decode", **{"vitserve.images": n}):
-                    decode_ms, photos, ran = await asyncio.get_running_loop().run_in_executor(
-                        self.decode_pool, fill_and_run, records)
-            else:
-                check_deadline(deadline, self.name, "before its batch")
-                (decode_ms, photos), ran = fill(records), False
-            # the wait for a batch: the server's bound, or the client's where it comes first
-            wait = self.settings.request_timeout_s
-            client_first = deadline is not None and deadline - time.perf_counter() < wait
-            queued_ns = time.time_ns()
-            try:
-                async with asyncio.timeout(deadline - time.perf_counter() if client_first else wait):
-                    if not ran:
-                        await self.backend.run(self.key, records, top_k, jpegs, shared)
-            except TimeoutError:
-                if client_first:
-                    raise expired(self.name, "in the queue") from None
-                raise overloaded(f"no result from {self.name} within {self.settings.request_timeout_s:g}s",
-                                 self.settings.retry_after_s) from None
+        self._check_count(job.n)
+        job.deadline, job.trace = request_deadline(), tracing.traceparent()
+        with self.backend.records(self.key, job.kind, job.n) as records:
+            decode_ms, photos, ran = await self._fill(job, records)
+            if not ran:
+                await self._batch(job, records)
             graph = self.backend.status()[self.key].graph or self.key
             self.metrics.queue_seconds.labels(graph).observe(float(records["queue_ms"][0]) / 1e3)
-            if not ran:
-                tracing.past_span("queue", queued_ns, float(records["queue_ms"][0]) / 1e3)
-            inputs = records["image"].copy() if keep else None
-            return Results(results(records, self.fields), decode_ms, photos, inputs)
+            fields = self.fields if job.top_k else self.output_fields
+            return Results(results(records, fields), decode_ms, photos, records["image"].copy() if job.keep else None)
+
+    async def _fill(self, job: Job, records: np.ndarray) -> tuple[list[float], list[Photo | None] | None, bool]:
+        """The job's records filled: each image's decode ms, the photos where kept, and whether they ran too (in
+        the decode thread, where the model is idle: a lone request spared two thread hops). Past the request's
+        deadline, neither."""
+        if not job.in_pool:
+            check_deadline(job.deadline, self.name, "before its batch")
+            return *job.fill(records), False
+
+        def fill_and_run() -> tuple[list[float], list[Photo | None] | None, bool]:
+            check_deadline(job.deadline, self.name, "before its decode")
+            decode_ms, photos = job.fill(records)
+            check_deadline(job.deadline, self.name, "after its decode")
+            return decode_ms, photos, job.kind != "jpeg" and self.backend.run_here(self.key, records, job.top_k,
+                                                                                    job.trace)
+
+        with self.backend.preparing(self.key), tracing.span("decode", **{"vitserve.images": job.n}):
+            return await asyncio.get_running_loop().run_in_executor(self.decode_pool, fill_and_run)
+
+    async def _batch(self, job: Job, records: np.ndarray) -> None:
+        """The job's records batched and run, waited for up to the server's bound, or the client's deadline where
+        it comes first."""
+        wait = self.settings.request_timeout_s
+        client_first = job.deadline is not None and job.deadline - time.perf_counter() < wait
+        queued_ns = time.time_ns()
+        try:
+            async with asyncio.timeout(job.deadline - time.perf_counter() if client_first else wait):
+                await self.backend.run(self.key, records, job.top_k, job.jpegs, job.shared)
+        except TimeoutError:
+            if client_first:
+                raise expired(self.name, "in the queue") from None
+            raise overloaded(f"no result from {self.name} within {self.settings.request_timeout_s:g}s",
+                             self.settings.retry_after_s) from None
+        tracing.past_span("queue", queued_ns, float(records["queue_ms"][0]) / 1e3)
 
     def _decoded(self, start: float) -> float:
         seconds = time.perf_counter() - start

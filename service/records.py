@@ -19,7 +19,8 @@ import numpy as np
 
 from repository import ModelEntry
 
-MAX_TOP_K = 100
+from .heads import Classifier, head
+
 KINDS = ("jpeg", "image", "tensor")  # the order of a batch's rows: the graph returns the images' rows first
 # a batch's size and, per image, its wait and its batch's compute phases (Triton's queue, compute_input,
 # compute_infer, compute_output)
@@ -29,13 +30,10 @@ TIMINGS = ("batch_size", "queue_ms", "input_ms", "inference_ms", "output_ms")
 @cache
 def record_dtype(entry: ModelEntry, kind: str) -> np.dtype:
     h, w = entry.policy.size
-    classes = len(entry.labels)
-    top = min(classes, MAX_TOP_K)
     fields = {"image": [("image", np.uint8, (h, w, 3))], "tensor": [("tensor", np.float32, (3, h, w))],
               "jpeg": []}[kind]
     fields += [(o["name"], np.float32, tuple(d for d in o["shape"] if d != "batch")) for o in entry.manifest["outputs"]]
-    fields += [("probs", np.float32, (classes,)), ("top_index", np.int32, (top,)), ("top_score", np.float32, (top,)),
-               ("batch_size", np.int32), *((name, np.float32) for name in TIMINGS[1:])]
+    fields += [*head(entry).fields(), ("batch_size", np.int32), *((name, np.float32) for name in TIMINGS[1:])]
     return np.dtype(fields)
 
 
@@ -159,55 +157,23 @@ def host_inputs(batch: list[Span], size: tuple[int, int], empty_images: Callable
     return gathered, _gather("tensor", tensors, pixels)
 
 
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return z / z.sum(axis=-1, keepdims=True)
-
-
-def sigmoid(logits: np.ndarray) -> np.ndarray:
-    return 0.5 * (1 + np.tanh(0.5 * logits))  # 1 / (1 + e^-x) without overflow for large negative logits
-
-
-# the manifest's `scores`: how a model's logits become its labels' scores (one class per image, or each label on
-# its own: a multi-label classifier)
-SCORES = {"softmax": softmax, "sigmoid": sigmoid}
-
-
-def top_k(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the k best (indices, scores), best first; ties keep the lower index first."""
-    if probs.shape[1] <= 64:  # few classes: one stable sort costs less than a partition and a sort of it
-        index = np.argsort(-probs, axis=1, kind="stable")[:, :k]
-        return index, np.take_along_axis(probs, index, axis=1)
-    if k < probs.shape[1]:
-        candidates = np.argpartition(-probs, k - 1, axis=1)[:, :k]
-    else:
-        candidates = np.broadcast_to(np.arange(probs.shape[1]), probs.shape)
-    scores = np.take_along_axis(probs, candidates, axis=1)
-    order = np.lexsort((candidates, -scores), axis=1)
-    index = np.take_along_axis(candidates, order, axis=1)
-    return index, np.take_along_axis(scores, order, axis=1)
-
-
 def write_results(batch: list[Span], outputs: dict[str, np.ndarray], queue_ms: list[float],
-                  inference_ms: float, input_ms: float = 0.0, scores: str = "softmax") -> float:
-    """Each part's rows of every output, its scores (SCORES[scores] of the logits) and top-k into its records, in
-    the batch's order (images before tensors), `queue_ms` being each part's wait and `input_ms`, `inference_ms` the
-    batch's: one vectorised pass per batch, one numpy call per field and span. Returns the ms it took, which every
-    record gets as its output_ms."""
+                  inference_ms: float, input_ms: float, head: Classifier) -> float:
+    """Each part's rows of every output and of what the model's head makes of them (heads.py) into its records,
+    in the batch's order (images before tensors), `queue_ms` being each part's wait and `input_ms`,
+    `inference_ms` the batch's: one vectorised pass per batch, one numpy call per field and span. Returns the ms it
+    took, which every record gets as its output_ms."""
     start = time.perf_counter()
     parts = [part for span in batch for part in span.parts]
-    probs = SCORES[scores](outputs["logits"].astype(np.float32))
-    k = min(max(p.top_k for p in parts), probs.shape[1], MAX_TOP_K)
-    index, score = top_k(probs, k)
+    made = head.finish(outputs, max(p.top_k for p in parts))
     waited = np.repeat(np.asarray(queue_ms, np.float32), [p.size for p in parts])
     size = len(waited)
     for span in batch:
         records, rows, of = span.records, span.rows, span.batch
         for name, value in outputs.items():
             records[name][rows] = value[of]
-        records["probs"][rows] = probs[of]
-        records["top_index"][rows, :k] = index[of]
-        records["top_score"][rows, :k] = score[of]
+        for name, value in made.items():  # (the first columns of a field: the top k asked for)
+            records[name][rows, :value.shape[1]] = value[of]
         records["batch_size"][rows], records["queue_ms"][rows] = size, waited[of]
         records["input_ms"][rows], records["inference_ms"][rows] = input_ms, inference_ms
     output_ms = (time.perf_counter() - start) * 1e3

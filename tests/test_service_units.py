@@ -3,6 +3,7 @@ errors, the attention cache, and the import rules."""
 import ast
 import asyncio
 import collections
+import dataclasses
 import io
 import json
 import logging
@@ -32,9 +33,10 @@ from service.batching import Batcher, QueueFull
 from service.cache import AttentionCache, AttentionRecord
 from service.decode import decode, decode_size, model_input, resize_and_crop, upload_input
 from service.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
+from service.heads import head, top_k
 from service.metrics import Metrics
 from service.middleware import BodyLimit, CancelOnDisconnect
-from service.records import Part, host_inputs, record_dtype, spans, top_k, write_results
+from service.records import Part, host_inputs, record_dtype, spans, write_results
 from service.runtime import CPU, CUDA, Runner, graph_batches, open_session, serving_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -315,7 +317,7 @@ def test_a_batch_writes_each_request_its_own_rows_images_first():
     logits = np.arange(5 * 6, dtype=np.float32).reshape(5, 6) % 7
     outputs = {"logits": logits, "cls_attention": np.random.default_rng(0).random((5, 4, 144), np.float32),
                "dist_attention": np.zeros((5, 4, 144), np.float32)}
-    write_results(spans(parts), outputs, [1.0, 2.0, 3.0], 9.0)
+    write_results(spans(parts), outputs, [1.0, 2.0, 3.0], 9.0, 0.0, head(entry()))
     np.testing.assert_array_equal(images[0]["logits"], logits[0:2])
     np.testing.assert_array_equal(images[1]["cls_attention"][0], outputs["cls_attention"][2])
     np.testing.assert_array_equal(tensors["logits"][1:], logits[3:5])
@@ -323,6 +325,24 @@ def test_a_batch_writes_each_request_its_own_rows_images_first():
     assert images[1]["queue_ms"][0] == 2.0 and tensors["batch_size"][2] == 5 and tensors["inference_ms"][1] == 9
     probs = tensors["probs"][2]
     assert probs.sum() == pytest.approx(1) and tensors["top_index"][2, 0] == logits[4].argmax()
+
+
+def test_a_batch_of_requests_that_ask_for_no_labels_gets_the_outputs_alone_and_a_multi_label_head_sigmoids():
+    """KServe v2 requests (top_k 0) get the graph's outputs: no scores are made for them; beside a request that
+    asks for labels, every row gets them, from the model's head (a sigmoid per label here)."""
+    tensors = np.zeros(2, record_dtype(entry(), "tensor"))
+    logits = np.array([[-800.0, 0, 3, 1, 2, 0], [5, 0, 0, 0, 0, 9]], np.float32)
+    outputs = {"logits": logits, "cls_attention": np.zeros((2, 4, 144), np.float32),
+               "dist_attention": np.zeros((2, 4, 144), np.float32)}
+    write_results(spans([Part(tensors, slice(0, 2), 0)]), outputs, [1.0], 9.0, 0.0, head(entry()))
+    np.testing.assert_array_equal(tensors["logits"], logits)
+    assert not tensors["probs"].any() and not tensors["top_index"].any()
+    sigmoid = dataclasses.replace(head(entry()), scores="sigmoid")
+    write_results(spans([Part(tensors, slice(0, 1), 0), Part(tensors, slice(1, 2), 2)]), outputs, [1.0, 1.0], 9.0,
+                  0.0, sigmoid)
+    with np.errstate(over="ignore"):  # e^800: inf, and 1 / inf the 0 expected
+        np.testing.assert_allclose(tensors["probs"], 1 / (1 + np.exp(-logits.astype(np.float64))), atol=1e-6)
+    assert tensors["top_index"][:, :2].tolist() == [[2, 4], [5, 0]] and not tensors["top_index"][:, 2:].any()
 
 
 def test_a_batch_gathers_its_images_in_the_parts_order_into_the_buffer_it_is_given():

@@ -22,6 +22,7 @@ from ..batching import Batcher, QueueFull
 from ..cache import AttentionCache, AttentionRecord
 from ..decode import upload_input
 from ..errors import BadInput, NotFound, ServiceError, Unavailable, overloaded
+from ..heads import head
 from ..metrics import Metrics
 from ..records import Part, host_inputs, kind_of, record_dtype, row_numbers, spans, write_results
 from ..runtime import CPU, Plan, Runner, batches_in_flight, choose_device, cuda_blocking_sync, serving_plan
@@ -130,7 +131,7 @@ class LocalBackend(ModelLifecycle):
                                                 "inference_failed") for row, e in failed.items()})
             elapsed = time.perf_counter() - gathered
             output_ms = write_results(batch, outputs, queue_ms, elapsed * 1e3, (gathered - start) * 1e3,
-                                      self.by_key[graph].scores)
+                                      head(self.by_key[graph]))
             observe(sum(p.size for p in parts), (gathered - start, elapsed, output_ms / 1e3))
             return elapsed
 
