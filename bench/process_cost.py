@@ -74,8 +74,8 @@ async def drive(socket_path: Path, settings: Settings, pid: int, in_flight: int,
 
     async def client(backend: ProcessBackend) -> None:
         while not stopping[0]:
-            with backend.records("null", "image", images) as records:
-                await backend.run("null", records, 1)
+            with backend.records("null", "image", images) as lease:
+                await backend.run("null", lease, 1)
             done[0] += images * measuring[0]
 
     clients = [asyncio.create_task(client(backends[i % 2])) for i in range(in_flight)]

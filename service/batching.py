@@ -3,12 +3,12 @@
 Entries queue up, each the rows of one records array that go together: one HTTP request's images, or under the
 process backend a worker's *frame* (the slots of its shared-memory arena that many requests filled). A batch
 runs as soon as it holds max_batch_size images or its oldest image has waited max_queue_delay; an entry larger
-than the room left is split across batches. Unlike Triton, the batcher knows which requests are still decoding
-their images for this graph (`preparing`): a partial batch waits only while one is, since nothing else could
-join it, so a lone client never pays the delay (under the process backend the HTTP workers count theirs in
-shared memory, read through `elsewhere`). Up to `concurrency` batches run at once in the executor (2 on a GPU:
-one is copied in and post-processed while the other computes); results are written into the entries' records
-there, and each entry's future is resolved once all its images are done. Beyond queue_limit queued images, new
+than the room left is split across batches. Unlike Triton, the batcher knows how many requests are still
+decoding their images for this graph (`waiting`: the boards of the processes that decode, board.py): a partial
+batch waits only while one is, since nothing else could join it, so a lone client never pays the delay. Up to
+`concurrency` batches run at once in the executor (2 on a GPU: one is copied in and post-processed while the
+other computes); results are written into the entries' records there, and each entry's future is resolved once
+all its images are done. Beyond queue_limit queued images, new
 entries are refused at once instead of growing the queue. Entries are taken in arrival order within a priority
 level, the first level first; one that has waited `aging_s` counts as first-level (urgency.py).
 """
@@ -18,9 +18,8 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Executor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,8 +61,10 @@ RunBatch = Callable[[list[Part], list[float]], float]
 
 class Batcher:
     def __init__(self, name: str, run: RunBatch, executor: Executor, metrics: Metrics, max_batch_size: int,
-                 max_queue_delay_s: float, queue_limit: int, concurrency: int = 1, aging_s: float = 0.2):
-        self.name, self.run, self.executor, self.aging_s = name, run, executor, aging_s
+                 max_queue_delay_s: float, queue_limit: int, concurrency: int = 1, aging_s: float = 0.2,
+                 waiting: Callable[[], int] = lambda: 0):
+        """`waiting`: how many requests are decoding images for this graph, on every board (board.py)."""
+        self.name, self.run, self.executor, self.aging_s, self.waiting = name, run, executor, aging_s, waiting
         self.max_batch_size, self.max_queue_delay_s, self.queue_limit = max_batch_size, max_queue_delay_s, queue_limit
         self._waiting: deque[Entry] = deque()
         self._ranked = 0  # waiting entries of a level above the default: while none, the first is taken first
@@ -72,8 +73,6 @@ class Batcher:
         self._running: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         self._gathering: list[tuple[Entry, Part]] = []  # the batch being gathered
-        self._preparing = 0  # requests decoding images that will come to this batcher
-        self.elsewhere: Callable[[], int] = lambda: 0  # the same, counted by other processes
         self.depth = 0  # queued images not yet in a batch
         self.finished = 0  # batches run to their end (or failure): progress, for the inference process's pulse
         self._depth_gauge = metrics.queue_depth.labels(name)
@@ -96,22 +95,13 @@ class Batcher:
         self._waiting.clear()
         self._ranked = 0
 
-    @contextmanager
-    def preparing(self) -> Iterator[None]:
-        """Around a request's decoding: while it runs, a partial batch may wait (up to the delay) for its images."""
-        self._preparing += 1
-        try:
-            yield
-        finally:
-            self._preparing -= 1
-
     def try_run_here(self, records: np.ndarray, top_k: int, trace: str | None = None) -> bool:
         """From a thread of the caller's (a decode thread), the records run at once in that thread, as a batch of
-        their own, where nothing else is queued, gathered, running or being decoded for this batcher: a lone request
-        is spared two thread hops. False, having done nothing, where the batcher is busy or runs batches two at a
-        time (a GPU): then submit them."""
-        if (self._one_at_a_time is None or self._waiting or self._gathering or self._running or self._preparing > 1
-                or self.elsewhere() or not self._one_at_a_time.acquire(blocking=False)):
+        their own, where nothing else is queued, gathered, running or being decoded for this batcher (the caller's
+        own request counts as decoding): a lone request is spared two thread hops. False, having done nothing,
+        where the batcher is busy or runs batches two at a time (a GPU): then submit them."""
+        if (self._one_at_a_time is None or self._waiting or self._gathering or self._running or self.waiting() > 1
+                or not self._one_at_a_time.acquire(blocking=False)):
             return False
         part = Part(records, slice(0, len(records)), top_k)
         try:
@@ -215,7 +205,7 @@ class Batcher:
 
     async def drained(self) -> None:
         """Nothing is queued, gathered, running or on its way (decoding here or in other processes)."""
-        while self._waiting or self._gathering or self._running or self._preparing or self.elsewhere():
+        while self._waiting or self._gathering or self._running or self.waiting():
             await asyncio.sleep(0.005)
 
     def _abandon(self, entry: Entry) -> None:
@@ -264,7 +254,7 @@ class Batcher:
                 await self._arrived.wait()
                 continue
             remaining = deadline - time.perf_counter()
-            if remaining <= 0 or not (self._preparing or self.elsewhere()):
+            if remaining <= 0 or not self.waiting():
                 break
             try:
                 async with asyncio.timeout(remaining):  # (not wait_for: it makes a task each time)

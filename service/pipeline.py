@@ -23,7 +23,7 @@ import numpy as np
 from repository import ModelEntry, RepositoryError, face_detector
 
 from . import tracing
-from .backends import Backend
+from .backends import Backend, Lease
 from .cache import AttentionRecord
 from .decode import Photo, decode, decode_size, model_input, upload_input
 from .errors import BadInput, NotFound, ServiceError, TooLarge, Unavailable, UnsupportedMedia, overloaded
@@ -291,34 +291,35 @@ class Pipeline:
             return Results({}, [])
         self._check_count(job.n)
         job.deadline, job.trace = request_deadline(), tracing.traceparent()
-        with self.backend.records(self.key, job.kind, job.n) as records:
-            decode_ms, photos, ran = await self._fill(job, records)
+        with self.backend.records(self.key, job.kind, job.n) as lease:
+            records = lease.records
+            decode_ms, photos, ran = await self._fill(job, lease)
             if not ran:
-                await self._batch(job, records)
+                await self._batch(job, lease)
             graph = self.backend.status()[self.key].graph or self.key
             self.metrics.queue_seconds.labels(graph).observe(float(records["queue_ms"][0]) / 1e3)
             fields = self.fields if job.top_k else self.output_fields
             return Results(results(records, fields), decode_ms, photos, records["image"].copy() if job.keep else None)
 
-    async def _fill(self, job: Job, records: np.ndarray) -> tuple[list[float], list[Photo | None] | None, bool]:
+    async def _fill(self, job: Job, lease: Lease) -> tuple[list[float], list[Photo | None] | None, bool]:
         """The job's records filled: each image's decode ms, the photos where kept, and whether they ran too (in
         the decode thread, where the model is idle: a lone request spared two thread hops). Past the request's
         deadline, neither."""
         if not job.in_pool:
             check_deadline(job.deadline, self.name, "before its batch")
-            return *job.fill(records), False
+            return *job.fill(lease.records), False
 
         def fill_and_run() -> tuple[list[float], list[Photo | None] | None, bool]:
             check_deadline(job.deadline, self.name, "before its decode")
-            decode_ms, photos = job.fill(records)
+            decode_ms, photos = job.fill(lease.records)
             check_deadline(job.deadline, self.name, "after its decode")
-            return decode_ms, photos, job.kind != "jpeg" and self.backend.run_here(self.key, records, job.top_k,
+            return decode_ms, photos, job.kind != "jpeg" and self.backend.run_here(self.key, lease, job.top_k,
                                                                                     job.trace)
 
         with self.backend.preparing(self.key), tracing.span("decode", **{"vitserve.images": job.n}):
             return await asyncio.get_running_loop().run_in_executor(self.decode_pool, fill_and_run)
 
-    async def _batch(self, job: Job, records: np.ndarray) -> None:
+    async def _batch(self, job: Job, lease: Lease) -> None:
         """The job's records batched and run, waited for up to the server's bound, or the client's deadline where
         it comes first."""
         wait = self.settings.request_timeout_s
@@ -326,13 +327,13 @@ class Pipeline:
         queued_ns = time.time_ns()
         try:
             async with asyncio.timeout(job.deadline - time.perf_counter() if client_first else wait):
-                await self.backend.run(self.key, records, job.top_k, job.jpegs, job.shared)
+                await self.backend.run(self.key, lease, job.top_k, job.jpegs, job.shared)
         except TimeoutError:
             if client_first:
                 raise expired(self.name, "in the queue") from None
             raise overloaded(f"no result from {self.name} within {self.settings.request_timeout_s:g}s",
                              self.settings.retry_after_s) from None
-        tracing.past_span("queue", queued_ns, float(records["queue_ms"][0]) / 1e3)
+        tracing.past_span("queue", queued_ns, float(lease.records["queue_ms"][0]) / 1e3)
 
     def _decoded(self, start: float) -> float:
         seconds = time.perf_counter() - start

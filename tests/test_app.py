@@ -14,7 +14,7 @@ from service_process import ROOT, direct_probabilities, metric, photo_bytes
 
 from repository import RepositoryError, servable
 from service.app import create_app
-from service.backends import ModelStatus
+from service.backends import Lease, ModelStatus
 from service.backends.local import LocalBackend
 from service.errors import overloaded
 from service.metrics import Metrics
@@ -82,16 +82,16 @@ class Misbehaving:
 
     @contextmanager
     def records(self, model: str, kind: str, n: int):
-        yield np.zeros(n, record_dtype(next(e for e in self.entries if e.key == model), kind))
+        yield Lease(np.zeros(n, record_dtype(next(e for e in self.entries if e.key == model), kind)))
 
     @contextmanager
     def preparing(self, model: str):
         yield
 
-    def run_here(self, model, records, top_k, trace=None) -> bool:
+    def run_here(self, model, lease, top_k, trace=None) -> bool:
         return False
 
-    async def run(self, model, records, top_k, jpegs=None, shared=None) -> None:
+    async def run(self, model, lease, top_k, jpegs=None, shared=None) -> None:
         if self.behaviour == "overloaded":
             raise overloaded("no room", 7)
         if self.behaviour == "broken":

@@ -12,7 +12,7 @@ from fault_graphs import fragile
 from service_process import ROOT, model_pixels, photo_bytes
 
 from service.app import create_app
-from service.backends import device_health
+from service.backends import Lease, device_health
 from service.backends.device_health import DeviceHealth, run_isolating
 from service.backends.local import LocalBackend
 from service.metrics import Metrics
@@ -111,7 +111,8 @@ def test_one_bad_image_fails_its_own_request_and_its_batch_mates_are_answered(re
             records = [np.empty(1, record_dtype(backend.by_key["fragile"], "image")) for _ in range(2)]
             records[0]["image"][0], records[1]["image"][0] = model_pixels(SOURCE, DARK), model_pixels(SOURCE, BRIGHT)
             # both submitted in one turn of the event loop: the batcher gathers them into one batch
-            answers = await asyncio.gather(*(backend.run("fragile", r, 1) for r in records), return_exceptions=True)
+            answers = await asyncio.gather(*(backend.run("fragile", Lease(r), 1) for r in records),
+                                           return_exceptions=True)
             return records, answers, backend.health.failures
         finally:
             await backend.close()

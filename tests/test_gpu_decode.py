@@ -214,10 +214,10 @@ def test_jpeg_bytes_cross_to_the_inference_process_beside_their_records(tmp_path
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
 
     async def run(worker: ProcessBackend, jpegs: list[bytes]) -> np.ndarray:
-        with worker.records("shapes-deit", "jpeg", len(jpegs)) as records:
-            assert "image" not in records.dtype.names
-            await worker.run("shapes-deit", records, 2, jpegs)
-            return records["logits"].copy()
+        with worker.records("shapes-deit", "jpeg", len(jpegs)) as lease:
+            assert "image" not in lease.records.dtype.names
+            await worker.run("shapes-deit", lease, 2, jpegs)
+            return lease.records["logits"].copy()
 
     async def main():
         stop = asyncio.Event()

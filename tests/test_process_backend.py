@@ -95,7 +95,7 @@ def test_workers_share_one_inference_process_its_batches_and_its_attention_resul
             assert [e.name for e in first.entries] == [e.name for e in second.entries]
             assert all(s.ready and s.provider == "CPUExecutionProvider" for s in second.status().values())
             with first.records("shapes-deit", "image", 2) as a, second.records("shapes-deit", "image", 1) as b:
-                a["image"], b["image"] = pixels, pixels[1:]
+                a.records["image"], b.records["image"] = pixels, pixels[1:]
                 with second.preparing("shapes-deit"):  # the second worker is decoding: a's batch waits for it
                     waits = asyncio.create_task(first.run("shapes-deit", a, 3))
                     await until(lambda: batcher.busy)  # a's images are in the inference server's queue
@@ -104,20 +104,23 @@ def test_workers_share_one_inference_process_its_batches_and_its_attention_resul
                     held = time.perf_counter() - held
                     await second.run("shapes-deit", b, 3)
                 await waits
-                np.testing.assert_allclose(a["logits"], want[0], atol=1e-5)  # written back in shared memory
-                np.testing.assert_allclose(b["dist_attention"][0], want[2][1], atol=1e-6)
-                assert a["batch_size"].tolist() == [3, 3] and b["batch_size"][0] == 3  # one batch across workers
-                assert a["top_index"][0, :3].tolist() == np.argsort(-want[0][0])[:3].tolist()
-                assert a["queue_ms"][0] >= held * 1e3 - 1e-3, (a["queue_ms"][0], held)  # (float32's rounding)
+                np.testing.assert_allclose(a.records["logits"], want[0], atol=1e-5)  # written back in shared memory
+                np.testing.assert_allclose(b.records["dist_attention"][0], want[2][1], atol=1e-6)
+                # one batch across workers
+                assert a.records["batch_size"].tolist() == [3, 3] and b.records["batch_size"][0] == 3
+                assert a.records["top_index"][0, :3].tolist() == np.argsort(-want[0][0])[:3].tolist()
+                waited = a.records["queue_ms"][0]
+                assert waited >= held * 1e3 - 1e-3, (waited, held)  # (float32's rounding)
             with second.records("shapes-deit", "image", 1) as alone:
-                alone["image"] = pixels[0]
+                alone.records["image"] = pixels[0]
                 await second.run("shapes-deit", alone, 1)
                 # nobody decoding: no wait (one for the delay would show 1000 ms or more)
-                assert alone["batch_size"][0] == 1 and alone["queue_ms"][0] < settings.max_queue_delay_ms / 2
+                assert alone.records["batch_size"][0] == 1
+                assert alone.records["queue_ms"][0] < settings.max_queue_delay_ms / 2
             with (first.records("shapes-deit", "image", 8) as running,
                   first.records("shapes-deit", "image", 8) as queued,
                   second.records("shapes-deit", "image", 1) as refused):
-                running["image"] = queued["image"] = refused["image"] = pixels[0]
+                running.records["image"] = queued.records["image"] = refused.records["image"] = pixels[0]
                 runs.clear()  # the inference thread holds the batch it runs until the refusal is seen
                 await until(lambda: not batcher.busy)
                 busy = asyncio.create_task(first.run("shapes-deit", running, 1))  # a full batch: it starts at once
@@ -135,7 +138,7 @@ def test_workers_share_one_inference_process_its_batches_and_its_attention_resul
             # a caller that gives up (its client left) while its images wait in a partial batch: the inference
             # process leaves them out, writes nothing into their records, and the slots come back with its reply
             with first.records("shapes-deit", "image", 4) as gone, second.records("shapes-deit", "image", 1) as b:
-                gone["image"], gone["batch_size"], b["image"] = pixels[0], 0, pixels[1]
+                gone.records["image"], gone.records["batch_size"], b.records["image"] = pixels[0], 0, pixels[1]
                 await until(lambda: not batcher.busy)
                 with second.preparing("shapes-deit"):  # the partial batch waits up to 1 s for the second worker
                     left = asyncio.create_task(first.run("shapes-deit", gone, 1))
@@ -144,8 +147,8 @@ def test_workers_share_one_inference_process_its_batches_and_its_attention_resul
                     await asyncio.gather(left, return_exceptions=True)  # its worker has sent the cancel
                 # b's frame travels after the cancel did, so the server has it first
                 await second.run("shapes-deit", b, 1)
-                assert gone["batch_size"].tolist() == [0] * 4 and b["batch_size"][0] == 1
-                np.testing.assert_allclose(b["logits"][0], want[0][1], atol=1e-5)
+                assert gone.records["batch_size"].tolist() == [0] * 4 and b.records["batch_size"][0] == 1
+                np.testing.assert_allclose(b.records["logits"][0], want[0][1], atol=1e-5)
             for _ in range(200):  # every slot free again, once the inference process has answered for it
                 try:
                     with first.records("shapes-deit", "image", settings.queue_limit + settings.max_files):
@@ -180,10 +183,10 @@ def test_a_workers_requests_travel_as_one_frame_and_each_gets_its_own_rows(tmp_p
     monkeypatch.setattr(wire, "pack", lambda message, arrays=None: sent.append(message["op"]) or pack(message, arrays))
 
     async def run(worker: ProcessBackend, images: np.ndarray) -> np.ndarray:
-        with worker.records("shapes-deit", "image", len(images)) as records:
-            records["image"] = images
-            await worker.run("shapes-deit", records, 1)
-            return records.copy()
+        with worker.records("shapes-deit", "image", len(images)) as lease:
+            lease.records["image"] = images
+            await worker.run("shapes-deit", lease, 1)
+            return lease.records.copy()
 
     async def main():
         async with workers(settings, tmp_path) as served:

@@ -15,6 +15,7 @@ import time
 import tracemalloc
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ from skimage import data as photos
 
 from models.data import preprocess as training_preprocess
 from repository import InputPolicy, ModelEntry, read_entry
+from service.backends.board import Boards
 from service.batching import Batcher, QueueFull
 from service.cache import AttentionCache, AttentionRecord
 from service.decode import decode, decode_size, model_input, resize_and_crop, upload_input
@@ -438,6 +440,7 @@ def test_a_first_level_request_is_taken_first_unless_the_others_have_waited_the_
 
 
 def test_a_partial_batch_waits_only_while_another_request_is_preparing_and_at_most_the_delay():
+    boards = Boards()  # what the batcher reads: requests decoding for its model (index 0)
     async def alone(batcher):
         one = images(1)
         await batcher.submit(one).future
@@ -445,7 +448,7 @@ def test_a_partial_batch_waits_only_while_another_request_is_preparing_and_at_mo
 
     async def joined(batcher):
         async def slow_decode():
-            with batcher.preparing():
+            with boards.preparing(0):
                 await asyncio.sleep(0.02)
             late = images(2)
             await batcher.submit(late).future
@@ -458,16 +461,16 @@ def test_a_partial_batch_waits_only_while_another_request_is_preparing_and_at_mo
         return early
 
     async def abandoned(batcher):
-        with batcher.preparing():  # a decode that never delivers (e.g. a broken image)
+        with boards.preparing(0):  # a decode that never delivers (e.g. a broken image)
             one = images(1)
             await batcher.submit(one).future
             return one
 
-    result, calls = _run_batcher(alone, max_queue_delay_s=0.1)
+    result, calls = _run_batcher(alone, max_queue_delay_s=0.1, waiting=partial(boards.waiting, [0]))
     assert calls == [1] and result["queue_ms"][0] < 50  # nothing else coming: no wait
-    result, calls = _run_batcher(joined, max_queue_delay_s=0.1)
+    result, calls = _run_batcher(joined, max_queue_delay_s=0.1, waiting=partial(boards.waiting, [0]))
     assert calls == [2]
-    result, calls = _run_batcher(abandoned, max_queue_delay_s=0.1)
+    result, calls = _run_batcher(abandoned, max_queue_delay_s=0.1, waiting=partial(boards.waiting, [0]))
     assert calls == [1] and 90 <= result["queue_ms"][0] < 1000  # waited for it, but no longer than the delay
 
 
@@ -487,8 +490,9 @@ def test_batcher_refuses_beyond_its_queue_limit_and_skips_abandoned_requests():
 
 
 def test_a_request_given_up_while_its_batch_is_gathered_is_left_out_of_it():
+    boards = Boards()
     async def go(batcher):
-        with batcher.preparing():  # another request is decoding: the partial batch waits for it, up to 0.1 s
+        with boards.preparing(0):  # another request is decoding: the partial batch waits for it, up to 0.1 s
             gone = batcher.submit(images(1, 2)).future
             await asyncio.sleep(0.01)  # now in the batch being gathered, out of the queue
             assert batcher.depth == 0
@@ -499,7 +503,7 @@ def test_a_request_given_up_while_its_batch_is_gathered_is_left_out_of_it():
         await batcher.submit(kept).future
         return kept
 
-    result, calls = _run_batcher(go, max_queue_delay_s=0.1)
+    result, calls = _run_batcher(go, max_queue_delay_s=0.1, waiting=partial(boards.waiting, [0]))
     assert calls == [1] and result["logits"][0, 0] == 6  # no batch for the cancelled request, not even an empty one
 
 
@@ -541,20 +545,21 @@ def test_an_entry_of_scattered_rows_runs_them_alone_and_a_gone_requests_rows_lea
 
 
 def test_a_lone_request_runs_in_the_callers_thread_and_never_beside_a_batch():
+    boards = Boards()
     async def go(batcher):
         loop = asyncio.get_running_loop()
         alone = images(7)
-        with batcher.preparing():  # as the pipeline calls it: while its own request decodes
+        with boards.preparing(0):  # as the pipeline calls it: while its own request decodes
             ran = await loop.run_in_executor(None, batcher.try_run_here, alone, 1)
         queued = batcher.submit(images(1, 2))
-        with batcher.preparing():
+        with boards.preparing(0):
             busy = await loop.run_in_executor(None, batcher.try_run_here, images(3), 1)  # a batch is on its way
         await queued.future
-        with batcher.preparing(), batcher.preparing():  # another request is decoding: it may join a batch
+        with boards.preparing(0), boards.preparing(0):  # another request is decoding: it may join a batch
             waits = await loop.run_in_executor(None, batcher.try_run_here, images(4), 1)
         return ran, alone, busy, waits
 
-    (ran, alone, busy, waits), calls = _run_batcher(go)
+    (ran, alone, busy, waits), calls = _run_batcher(go, waiting=partial(boards.waiting, [0]))
     assert ran and alone["logits"][0, 0] == 14 and alone["batch_size"][0] == 1
     assert not busy and not waits and calls == [1, 2]
     two_at_a_time = Batcher("gpu", lambda parts, queue_ms: 0.0, None, Metrics(), 4, 0.0, 8, concurrency=2)

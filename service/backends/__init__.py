@@ -43,6 +43,13 @@ class ModelStatus:
         return self.ready or self.error is not None or self.unloaded
 
 
+@dataclass(eq=False)
+class Lease:
+    """Records a request holds (records.py): what Backend.records gives, to fill and to run. The process backend's
+    are slots of the worker's shared memory (process.Slots)."""
+    records: np.ndarray
+
+
 class Backend(Protocol):
     """The serving calls name a model version by its key (ModelEntry.key: NAME, or NAME@VERSION); load, unload
     and index speak of model names."""
@@ -63,20 +70,20 @@ class Backend(Protocol):
         """Why nothing can be served now, whatever the models' status (the inference process restarting, or hung),
         as the error requests and readiness answer with; None where it serves."""
 
-    def records(self, model: str, kind: str, n: int) -> AbstractContextManager[np.ndarray]:
-        """n empty records ("image" or "tensor", records.py) to fill, valid inside the `with`."""
+    def records(self, model: str, kind: str, n: int) -> AbstractContextManager[Lease]:
+        """n empty records ("image", "tensor" or "jpeg", records.py) to fill, held inside the `with`."""
 
     def preparing(self, model: str) -> AbstractContextManager[None]:
         """Around decoding images that will run on `model` (the batcher may wait for them)."""
 
-    def run_here(self, model: str, records: np.ndarray, top_k: int, trace: str | None = None) -> bool:
-        """From a decode thread, once `records` are filled: run them in that thread if the model is idle, and say
-        whether it did (a lone request spared two thread hops); where it did not, `run` them. `trace`: the
+    def run_here(self, model: str, lease: Lease, top_k: int, trace: str | None = None) -> bool:
+        """From a decode thread, once the lease's records are filled: run them in that thread if the model is idle,
+        and say whether it did (a lone request spared two thread hops); where it did not, `run` them. `trace`: the
         request's traceparent, where traces are on (tracing.py)."""
 
-    async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None,
+    async def run(self, model: str, lease: Lease, top_k: int, jpegs: list[bytes] | None = None,
                   shared: SharedIO | None = None) -> None:
-        """Batch, run and unbatch: results are in the records when it returns (for "jpeg" records, `jpegs` holds
+        """Batch, run and unbatch: results are in the lease's records when it returns (for "jpeg" records, `jpegs` holds
         their bytes), and in shared memory where `shared` says (its input, if it names one, is read from there, and
         the records' input is not). Overloaded: Unavailable; a slice of a region that is not registered or too
         small: BadInput."""

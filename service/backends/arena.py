@@ -8,10 +8,6 @@ from pathlib import Path
 import numpy as np
 
 
-BOARD_SLOTS = 1024  # a worker's board: one count per model, in the inference process's order, with room for the
-# models loaded after start-up
-
-
 def map_records(path: Path, dtype: np.dtype, slots: int, create: bool = False) -> np.ndarray:
     """The file as an array of `slots` records (made, sized and zeroed with `create`)."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)

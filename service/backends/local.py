@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 
 import numpy as np
@@ -30,7 +30,8 @@ from ..settings import Settings
 from ..shared_memory import Regions, SharedIO
 from ..thread_names import name_pool_thread
 from ..urgency import request_priority
-from . import ModelStatus
+from . import Lease, ModelStatus
+from .board import Boards
 from .device_health import DeviceHealth, run_isolating
 from .lifecycle import ModelLifecycle, input_names
 
@@ -61,9 +62,9 @@ class LocalBackend(ModelLifecycle):
         self.regions = Regions()  # clients' system shared memory
         self.inference: ThreadPoolExecutor | None = None
         self.concurrency = 1  # batches in flight per graph, decided with the device
-        # other processes' requests decoding for each model (entries' order), in their shared memory: the HTTP
-        # workers' boards under the process backend
-        self.boards: list[np.ndarray] = []
+        # requests decoding for each model (entries' order): this process's, and the HTTP workers' under the
+        # process backend (board.py)
+        self.boards = Boards()
         self._loading: asyncio.Task | None = None
         self.device = CPU
         self._info_labels: dict[str, tuple[str, ...]] = {}
@@ -92,9 +93,8 @@ class LocalBackend(ModelLifecycle):
         self.batchers[graph] = Batcher(
             graph, self._run_batch(graph), self.inference, self.metrics, self.settings.max_batch_size,
             self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency,
-            self.settings.priority_aging_ms / 1000)
-        models = [i for i, e in enumerate(self.entries) if self.plans[e.key].graph == graph]
-        self.batchers[graph].elsewhere = partial(self._preparing_elsewhere, models)
+            self.settings.priority_aging_ms / 1000,
+            partial(self.boards.waiting, [i for i, e in enumerate(self.entries) if self.plans[e.key].graph == graph]))
         self.batchers[graph].start()
 
     def use_jpeg_decoder(self, graph: str, decoder) -> None:
@@ -176,26 +176,22 @@ class LocalBackend(ModelLifecycle):
         return batcher
 
     @contextmanager
-    def records(self, model: str, kind: str, n: int) -> Iterator[np.ndarray]:
-        yield np.empty(n, record_dtype(self.by_key[model], kind))
+    def records(self, model: str, kind: str, n: int) -> Iterator[Lease]:
+        yield Lease(np.empty(n, record_dtype(self.by_key[model], kind)))
 
-    def preparing(self, model: str):
-        batcher = self.batchers.get(self.plans[model].graph) if model in self.plans else None
-        return batcher.preparing() if batcher is not None else nullcontext()
+    def preparing(self, model: str) -> AbstractContextManager[None]:
+        return self.boards.preparing(next(i for i, e in enumerate(self.entries) if e.key == model))
 
-    def _preparing_elsewhere(self, models: list[int]) -> int:
-        return sum(int(board[i]) for board in self.boards for i in models)
+    def run_here(self, model: str, lease: Lease, top_k: int, trace: str | None = None) -> bool:
+        """From a decode thread: the lease's records run in it at once where the model's batcher is idle and runs
+        one batch at a time, as on the CPU (Batcher.try_run_here); False, having done nothing, where they must be run."""
+        return self.batcher(model).try_run_here(lease.records, top_k, trace)
 
-    def run_here(self, model: str, records: np.ndarray, top_k: int, trace: str | None = None) -> bool:
-        """From a decode thread: the records run in it at once where the model's batcher is idle and runs one batch
-        at a time, as on the CPU (Batcher.try_run_here); False, having done nothing, where they must be run."""
-        return self.batcher(model).try_run_here(records, top_k, trace)
-
-    async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None,
+    async def run(self, model: str, lease: Lease, top_k: int, jpegs: list[bytes] | None = None,
                   shared: SharedIO | None = None) -> None:
-        """Results written into `records` (and into shared memory, where `shared` asks). Cancelled, it returns only
-        once nothing writes into them any more."""
-        batcher = self.batcher(model)
+        """Results written into the lease's records (and into shared memory, where `shared` asks). Cancelled, it
+        returns only once nothing writes into them any more."""
+        batcher, records = self.batcher(model), lease.records
         claim = None if shared is None else self.regions.claim(shared, records, kind_of(records))
         try:
             try:

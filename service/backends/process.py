@@ -34,18 +34,19 @@ from ..records import kind_of, record_dtype
 from ..settings import Settings
 from ..shared_memory import SharedIO
 from ..urgency import request_priority
-from . import ModelStatus, wire
+from . import Lease, ModelStatus, wire
 from .wire import Op
-from .arena import BOARD_SLOTS, Arena, map_records
+from .arena import Arena
+from .board import Board
 from .heartbeat import HEARTBEAT, Heartbeat
 
 log = logging.getLogger("vitserve")
 
 
-@dataclass
-class _Lease:
-    """Slots of an arena held by a request: freed once the request is done with them and no run is in flight
-    (a request that gave up must not free slots the inference process is still writing into)."""
+@dataclass(eq=False)
+class Slots(Lease):
+    """A request's records: n slots of an arena, from `start`, freed once the request is done with them and no run
+    is in flight (a request that gave up must not free slots the inference process is still writing into)."""
     arena: Arena
     start: int
     n: int
@@ -60,7 +61,7 @@ class _Lease:
 @dataclass(eq=False)
 class _Queued:
     """A request in an outbox, then in a frame until the frame's "done"."""
-    lease: _Lease
+    lease: Slots
     top_k: int
     jpegs: list[bytes] | None
     shared: SharedIO | None  # its tensors in shared memory, which the inference process reads and writes
@@ -69,6 +70,7 @@ class _Queued:
     trace: str | None  # its span as a W3C traceparent, where traces are on (tracing.py)
     priority: int  # its level, 1 first; 0: the default (urgency.py)
     frame: int | None = None
+    index: int = 0  # its place in the frame, by which the inference process names it
     sent: float = 0.0
 
 
@@ -92,7 +94,6 @@ class ProcessBackend:
         self._status: dict[str, ModelStatus] = {}
         self._loaded = asyncio.Event()
         self._arenas: dict[tuple[str, str], Arena] = {}
-        self._leases: dict[int, _Lease] = {}  # by the records' address
         self._outboxes: dict[str, _Outbox] = {}
         self._frames: dict[int, tuple[_Outbox, list[_Queued]]] = {}  # sent, not yet done
         self._pending: dict[int, asyncio.Future] = {}  # other questions, by id
@@ -100,14 +101,14 @@ class ProcessBackend:
         self._tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # names this worker's shared memory
         self.generation = 0  # counts status changes
         self._board_path = socket_path.parent / f"board-{self._tag}"
-        self._board: np.ndarray | None = None  # requests on their way, per model (entries' order): _tell
+        self._board: Board | None = None  # requests on their way, per model (entries' order): _tell
         self._heartbeat: Heartbeat | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._connected = False
         self._reader_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._board = map_records(self._board_path, np.dtype(np.int32), BOARD_SLOTS, create=True)
+        self._board = Board.shared(self._board_path, create=True)
         self._heartbeat = Heartbeat(self.socket_path.parent / HEARTBEAT)
         reader = await self._join(self.connect_timeout_s)
         self._reader_task = asyncio.get_running_loop().create_task(self._follow(reader), name="inference-replies")
@@ -233,16 +234,17 @@ class ProcessBackend:
         outbox.queued.discard(key)
         self._flush(outbox)
 
-    def _done(self, key: int, errors: dict[str, dict]) -> None:
+    def _done(self, key: int, errors: list[tuple[int, dict]]) -> None:
         """A frame's answer (always after its "taken"): its results are in the records, its slots free once their
-        requests are over."""
+        requests are over; `errors`: (a request's place in the frame, its error) for those that failed."""
         outbox, queued = self._frames.pop(key)
         outbox.queued.discard(key)
+        failed = dict(errors)
         for q in queued:
             q.lease.release()
             if q.future.done():
                 continue
-            if (error := errors.get(str(q.lease.start))) is not None:
+            if (error := failed.get(q.index)) is not None:
                 q.future.set_exception(from_wire(error))
                 continue
             # the queue time a client sees: in the outbox here, then in the inference process
@@ -277,18 +279,15 @@ class ProcessBackend:
         return self._arenas[model, kind]
 
     @contextmanager
-    def records(self, model: str, kind: str, n: int) -> Iterator[np.ndarray]:
+    def records(self, model: str, kind: str, n: int) -> Iterator[Slots]:
         arena = self._arena(model, kind)
         start = arena.take(n)
         if start is None:
             raise overloaded(f"this worker has no room for {n} more {model} images", self.settings.retry_after_s)
-        lease = _Lease(arena, start, n)
-        records = arena.records[start:start + n]
-        self._leases[records.ctypes.data] = lease
+        lease = Slots(arena.records[start:start + n], arena, start, n)
         try:
-            yield records
+            yield lease
         finally:
-            del self._leases[records.ctypes.data]
             lease.release()
 
     @contextmanager
@@ -306,16 +305,16 @@ class ProcessBackend:
     def _tell(self, outbox: _Outbox) -> None:
         """The board's count for the model: the requests that could still join the batch being gathered, so none
         while one of this worker's frames waits to be taken (what comes meanwhile goes in the next frame)."""
-        self._board[outbox.index] = 0 if outbox.queued else outbox.decoding + len(outbox.pending)
+        self._board.tell(outbox.index, 0 if outbox.queued else outbox.decoding + len(outbox.pending))
 
-    def run_here(self, model: str, records: np.ndarray, top_k: int, trace: str | None = None) -> bool:
+    def run_here(self, model: str, lease: Slots, top_k: int, trace: str | None = None) -> bool:
         return False  # the sessions are in the inference process
 
-    async def run(self, model: str, records: np.ndarray, top_k: int, jpegs: list[bytes] | None = None,
+    async def run(self, model: str, lease: Slots, top_k: int, jpegs: list[bytes] | None = None,
                   shared: SharedIO | None = None) -> None:
         self._check_connected()
         outbox = self._outboxes[model]
-        q = _Queued(self._leases[records.ctypes.data], top_k, jpegs, shared,
+        q = _Queued(lease, top_k, jpegs, shared,
                     asyncio.get_running_loop().create_future(), time.perf_counter(), tracing.traceparent(),
                     request_priority())
         outbox.pending.append(q)
@@ -332,8 +331,7 @@ class ProcessBackend:
                 outbox.pending.remove(q)
                 self._tell(outbox)
             elif q.frame in self._frames and not self._writer.is_closing():
-                self._writer.write(wire.pack({"op": Op.CANCEL, "frame": q.frame, "start": q.lease.start,
-                                              "count": q.lease.n}))
+                self._writer.write(wire.pack({"op": Op.CANCEL, "frame": q.frame, "request": q.index}))
             raise
 
     def _flush(self, outbox: _Outbox) -> None:
@@ -352,9 +350,9 @@ class ProcessBackend:
         outbox.pending = [q for q in outbox.pending if not q.priority] if outbox.queued else []
         for (arena, _, priority), queued in by_arena.items():
             key = next(self._ids)
-            for q in queued:
+            for i, q in enumerate(queued):
                 q.lease.holders += 1  # held until the frame's "done", whatever happens to the request
-                q.frame, q.sent = key, now
+                q.frame, q.index, q.sent = key, i, now
             arrays = {"start": np.array([q.lease.start for q in queued], np.int32),
                       "count": np.array([q.lease.n for q in queued], np.int32),
                       "top_k": np.array([q.top_k for q in queued], np.int32)}

@@ -32,7 +32,8 @@ from ..settings import Settings
 from ..shared_memory import Claim, SharedIO
 from . import wire
 from .wire import Op
-from .arena import BOARD_SLOTS, map_records
+from .arena import map_records
+from .board import BOARD_SLOTS
 from .device_health import BROKEN_EXIT_STATUS
 from .heartbeat import HEARTBEAT, PULSE_S, Heartbeat
 from .local import LocalBackend
@@ -51,9 +52,10 @@ class Frame:
     batcher: Batcher | None = None
     entry: Entry | None = None
     taken: bool = False  # told
-    errors: dict[str, dict] = dataclasses.field(default_factory=dict)  # by a request's first slot
-    claims: dict[int, Claim] = dataclasses.field(default_factory=dict)  # shared memory, by request
-    cancelled: set[int] = dataclasses.field(default_factory=set)  # first slots of requests given up
+    # by a request's place in the frame: the errors of those that failed, their shared memory, those given up
+    errors: dict[int, dict] = dataclasses.field(default_factory=dict)
+    claims: dict[int, Claim] = dataclasses.field(default_factory=dict)
+    cancelled: set[int] = dataclasses.field(default_factory=set)
 
 
 class InferenceServer:
@@ -125,8 +127,7 @@ class InferenceServer:
                 elif op == Op.CANCEL:
                     self._cancel(writer, message)
                 elif op == Op.BOARD:
-                    board = map_records(self.socket_path.parent / message["board"], np.dtype(np.int32), BOARD_SLOTS)
-                    self.backend.boards.append(board)
+                    board = self.backend.boards.join(self.socket_path.parent / message["board"])
                 else:
                     self._track(self._answer(message, arrays, writer))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -135,7 +136,7 @@ class InferenceServer:
             self._writers.discard(writer)
             self._seen.pop(writer, None)
             if board is not None:
-                self.backend.boards.remove(board)
+                self.backend.boards.leave(board)
             for (owner, _), frame in list(self._frames.items()):
                 if owner is writer and frame.entry is not None:
                     frame.entry.future.cancel()
@@ -160,7 +161,7 @@ class InferenceServer:
         inputs = self._requests_inputs(frame, message, arrays, kind)  # refuses requests whose memory is not there
         kept = np.arange(len(starts))
         if frame.errors:
-            kept = np.array([i for i in kept if str(starts[i]) not in frame.errors], np.int64)
+            kept = np.array([i for i in kept if i not in frame.errors], np.int64)
         ends = np.cumsum(counts[kept])
         fits = int(np.searchsorted(ends, batcher.room, "right"))
         if fits < len(kept):
@@ -210,7 +211,7 @@ class InferenceServer:
     def _fail(self, frame: Frame, requests: Iterable[int], error: Exception) -> None:
         if not isinstance(error, ServiceError):
             error = ServiceError(f"the inference process failed: {type(error).__name__}: {error}")
-        frame.errors.update((str(frame.starts[i]), to_wire(error)) for i in requests)
+        frame.errors.update((int(i), to_wire(error)) for i in requests)
 
     def _refuse_all(self, frame: Frame, error: ServiceError) -> None:
         self._fail(frame, range(len(frame.starts)), error)
@@ -220,8 +221,10 @@ class InferenceServer:
         """A client has gone: its request's slots leave the queue, those not yet in a batch."""
         frame = self._frames.get((writer, message["frame"]))
         if frame is not None and frame.entry is not None:
-            frame.cancelled.add(message["start"])
-            frame.batcher.drop(frame.entry, message["start"], message["start"] + message["count"])
+            i = message["request"]
+            frame.cancelled.add(i)
+            first = int(frame.starts[i])
+            frame.batcher.drop(frame.entry, first, first + int(frame.counts[i]))
 
     def _finished(self, frame: Frame, future: asyncio.Future) -> None:
         if future.cancelled():  # the worker has gone, or the process stops: nobody to answer
@@ -250,7 +253,7 @@ class InferenceServer:
         """The frame's shared memory let go, once the outputs of its requests answered are written there."""
         for i, claim in frame.claims.items():
             first = int(frame.starts[i])
-            if answered and str(first) not in frame.errors and first not in frame.cancelled:
+            if answered and i not in frame.errors and i not in frame.cancelled:
                 claim.write(frame.records[first:first + frame.counts[i]])
             claim.release()
         frame.claims.clear()
@@ -260,7 +263,7 @@ class InferenceServer:
         self._release(frame, answered=True)
         self._taken(frame)
         self._frames.pop((frame.writer, frame.key), None)
-        self._tell(frame, {"op": Op.DONE, "frame": frame.key, "errors": frame.errors})
+        self._tell(frame, {"op": Op.DONE, "frame": frame.key, "errors": list(frame.errors.items())})
 
     def _track(self, work: Coroutine) -> asyncio.Task:
         """`work` as a task that stopping waits for."""

@@ -25,13 +25,15 @@ class Op(StrEnum):
       HELLO   on connecting: the models, their status and the problems found loading them
       STATUS  models loaded, reloaded or unloaded: the models and their status, with a generation number
       TAKEN   a frame's requests are all in batches that started: the worker's next frame for that model may go
-      DONE    a frame's batches have ended: its results are in the records, with the requests that failed
+      DONE    a frame's batches have ended: its results are in the records, with the requests that failed (by
+              their place in the frame) and their errors
     A worker sends, unanswered:
       BOARD   once, after HELLO: the shared-memory file where it counts its requests still decoding, per model
       SEEN    the status generation it now routes by (an unload waits for every worker's)
       RUN     a frame: requests whose images are in its arena, as each one's first slot, slot count and top-k
               (and their priority level, and their traceparents where traces are on)
-      CANCEL  a request of a frame given up (client gone, timeout): its slots leave the queue
+      CANCEL  a request of a frame (by its place in it) given up (client gone, timeout): its slots leave the
+              queue
     A worker asks, and the reply carries the same "id" (and "error" where it failed):
       EXPLAIN, LOAD, UNLOAD, INDEX, KEEP, RECALL, REGISTER_REGION, UNREGISTER_REGION, REGION_STATUS
     """
