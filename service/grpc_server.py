@@ -218,14 +218,14 @@ class InferenceService:
                                   ) -> pb.RepositoryModelLoadResponse:
         require_model_control(self.pipelines)
         check_load_parameters(request.parameters)
-        await self.pipelines.backend.load(request.model_name)
+        await self.pipelines.backend.models.load(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     @rpc
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest, context
                                     ) -> pb.RepositoryModelUnloadResponse:
         require_model_control(self.pipelines)
-        await self.pipelines.backend.unload(request.model_name)
+        await self.pipelines.backend.models.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     async def ModelStreamInfer(self, requests, context: grpc.aio.ServicerContext):

@@ -194,7 +194,7 @@ def shared_outputs(pipeline: Pipeline, asked: dict[str, Slice | None]) -> dict[s
 
 async def repository_index(pipelines: Pipelines, ready_only: bool) -> list[dict]:
     """The repository extension's index: a row per model version, {name, version, state, reason}."""
-    rows = await pipelines.backend.index()
+    rows = await pipelines.backend.models.index()
     return [row for row in rows if row["state"] == "READY" or not ready_only]
 
 

@@ -108,7 +108,7 @@ def test_one_bad_image_fails_its_own_request_and_its_batch_mates_are_answered(re
         await backend.start()
         await backend.loaded()
         try:
-            records = [np.empty(1, record_dtype(backend.by_key["fragile"], "image")) for _ in range(2)]
+            records = [np.empty(1, record_dtype(backend.models.by_key["fragile"], "image")) for _ in range(2)]
             records[0]["image"][0], records[1]["image"][0] = model_pixels(SOURCE, DARK), model_pixels(SOURCE, BRIGHT)
             # both submitted in one turn of the event loop: the batcher gathers them into one batch
             answers = await asyncio.gather(*(backend.run("fragile", Lease(r), 1) for r in records),

@@ -27,6 +27,7 @@ from skimage import data as photos
 from repository import InputPolicy, read_entry
 from service import gpu_decode
 from service.app import create_app
+from service.backends.lifecycle import ModelLifecycle
 from service.backends.local import LocalBackend
 from service.backends.process import ProcessBackend
 from service.backends.server import InferenceServer
@@ -190,7 +191,7 @@ def test_jpegs_decoded_with_their_batch_give_the_cpu_paths_answers_and_a_bad_one
         await backend.loaded()
         vit = next(e for e in backend.entries if e.name == "shapes-vit")
         decoder = CountingDecoder(vit.policy)
-        backend.use_jpeg_decoder("shapes-vit", decoder)
+        backend.models.use_jpeg_decoder("shapes-vit", decoder)
         assert backend.status()["shapes-vit"].decode == "gpu" and backend.status()["shapes-deit"].decode == "cpu"
         with ThreadPoolExecutor(2) as pool:
             pipeline = Pipeline(vit, backend, pool, backend.settings, Metrics())
@@ -228,7 +229,7 @@ def test_jpeg_bytes_cross_to_the_inference_process_beside_their_records(tmp_path
             await worker.start()
             await worker.loaded()
             decoder = CountingDecoder(next(e for e in server.backend.entries if e.name == "shapes-deit").policy)
-            server.backend.use_jpeg_decoder("shapes-deit", decoder)  # pushed to the worker as status
+            server.backend.models.use_jpeg_decoder("shapes-deit", decoder)  # pushed to the worker as status
             for _ in range(100):
                 if worker.status()["shapes-deit"].decode == "gpu":
                     break
@@ -356,7 +357,7 @@ def test_where_cuda_serves_and_gpu_decoding_does_not_start_models_says_why(backe
     def no_gpu(*args, **kwargs):
         raise RuntimeError("CUDA Runtime failure: '#35'")  # cudaErrorInsufficientDriver
 
-    opened = LocalBackend._open
+    opened = ModelLifecycle._open
 
     def on_cuda(self, entry, plan):
         runner = opened(self, entry, plan)
@@ -364,7 +365,7 @@ def test_where_cuda_serves_and_gpu_decoding_does_not_start_models_says_why(backe
         return runner
 
     monkeypatch.setattr(nvimgcodec, "Decoder", no_gpu)
-    monkeypatch.setattr(LocalBackend, "_open", on_cuda)
+    monkeypatch.setattr(ModelLifecycle, "_open", on_cuda)
 
     async def models(gpu_decode: bool) -> dict[str, dict]:
         settings = Settings(model_repository=REPO, warmup_runs=0, gpu_decode=gpu_decode)
@@ -390,7 +391,7 @@ def test_a_graph_loaded_after_start_up_decodes_on_the_cpu_and_models_says_why(ba
     the start-up graph goes on decoding with its decoder. As above, the graphs run on the CPU reported as CUDA;
     the start-up decoder is gpu_decode.GpuDecoder on the host (nvImageCodec's CPU decoder), as the tests above run
     it. On a GPU host, tests/test_gpu.py runs the same on a real server with the real decoder."""
-    opened, decoders = LocalBackend._open, {}
+    opened, decoders = ModelLifecycle._open, {}
 
     def on_cuda(self, entry, plan):
         runner = opened(self, entry, plan)
@@ -401,7 +402,7 @@ def test_a_graph_loaded_after_start_up_decodes_on_the_cpu_and_models_says_why(ba
         decoders[model] = CountingDecoder(policy)
         return decoders[model], None
 
-    monkeypatch.setattr(LocalBackend, "_open", on_cuda)
+    monkeypatch.setattr(ModelLifecycle, "_open", on_cuda)
     monkeypatch.setattr(gpu_decode, "gpu_decoder", on_the_host)
     repository = tmp_path / "repository"
     write_model(repository / "shapes-vit", REPO / "shapes-vit", "shapes-vit")

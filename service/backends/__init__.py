@@ -50,13 +50,31 @@ class Lease:
     records: np.ndarray
 
 
+class ModelControl(Protocol):
+    """What administers the models (Triton's model control: load, unload, the repository index), by model name:
+    the in-process lifecycle (lifecycle.py), or under the process backend the inference process's, asked."""
+
+    async def load(self, model: str) -> None:
+        """(Re)load the versions of a model that its folder's policy serves, beside what serves it now, then switch
+        to them: requests already queued or running finish on the old sessions. A failure leaves what served
+        serving and says why (RepositoryError's message, as BadInput)."""
+
+    async def unload(self, model: str) -> None:
+        """Stop serving a model's versions once the requests they accepted are answered; later ones: NotFound."""
+
+    async def index(self) -> list[dict]:
+        """Every model version of the repository with its state (READY, LOADING, UNAVAILABLE) and the reason."""
+
+
 class Backend(Protocol):
-    """The serving calls name a model version by its key (ModelEntry.key: NAME, or NAME@VERSION); load, unload
-    and index speak of model names."""
+    """What runs batches: the serving calls name a model version by its key (ModelEntry.key: NAME, or
+    NAME@VERSION). Beside them: shared-memory regions and the attention results kept for GET /attention-map, which
+    live where the batches run; and `models`, what administers them."""
 
     entries: list[ModelEntry]  # the model versions served, each by its key (known once `start` returned)
     generation: int  # counts status changes: what serves which name may have changed
     problems: dict[str, str]  # repository folders that cannot be served, with why
+    models: ModelControl
 
     async def start(self) -> None:
         """Know the models; sessions load and warm up in the background after this returns."""
@@ -90,17 +108,6 @@ class Backend(Protocol):
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         """Every layer's attention probabilities for one uint8 [H, W, 3] input (the explain graph)."""
-
-    async def load(self, model: str) -> None:
-        """(Re)load the versions of a model that its folder's policy serves, beside what serves it now, then switch
-        to them: requests already queued or running finish on the old sessions. A failure leaves what served
-        serving and says why (RepositoryError's message, as BadInput)."""
-
-    async def unload(self, model: str) -> None:
-        """Stop serving a model's versions once the requests they accepted are answered; later ones: NotFound."""
-
-    async def index(self) -> list[dict]:
-        """Every model version of the repository with its state (READY, LOADING, UNAVAILABLE) and the reason."""
 
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """A client's system shared memory, registered under `name` (shared_memory.Regions.register)."""

@@ -8,14 +8,14 @@ process backend is this backend behind a socket.
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 
 import numpy as np
 
-from repository import ModelEntry, servable, verify_file
+from repository import ModelEntry, verify_file
 
 from .. import tracing
 from ..batching import Batcher, QueueFull
@@ -25,7 +25,7 @@ from ..errors import BadInput, NotFound, ServiceError, Unavailable, overloaded
 from ..heads import head
 from ..metrics import Metrics
 from ..records import Part, host_inputs, kind_of, record_dtype, row_numbers, spans, write_results
-from ..runtime import CPU, Plan, Runner, batches_in_flight, choose_device, cuda_blocking_sync, serving_plan
+from ..runtime import Runner, batches_in_flight, choose_device, cuda_blocking_sync
 from ..settings import Settings
 from ..shared_memory import Regions, SharedIO
 from ..thread_names import name_pool_thread
@@ -38,25 +38,16 @@ from .lifecycle import ModelLifecycle, input_names
 log = logging.getLogger("vitserve")
 
 
-class LocalBackend(ModelLifecycle):
+class LocalBackend:
     def __init__(self, settings: Settings, metrics: Metrics, on_status: Callable[[], None] = lambda: None,
                  on_broken: Callable[[str], None] = lambda why: None):
-        """`on_broken`: what the process does once its device fails every batch (device_health.py), beside
-        answering 503 `device_failed` to readiness and requests from then on."""
-        self.settings, self.metrics, self.on_status = settings, metrics, on_status
+        """`on_status`: called on every change of the models' status; `on_broken`: what the process does once its
+        device fails every batch (device_health.py), beside answering 503 `device_failed` to readiness and
+        requests from then on."""
+        self.settings, self.metrics = settings, metrics
         self.health = DeviceHealth(settings.device_broken_batches, settings.device_broken_s, on_broken)
-        entries, self.problems = servable(settings.model_repository)  # a missing repository fails here
-        for name, problem in self.problems.items():
-            log.error("not serving %s: %s", name, problem)
-        self.entries: list[ModelEntry] = entries
-        self.by_key = {e.key: e for e in entries}  # a model version's key: NAME or NAME@VERSION
-        self.plans: dict[str, Plan] = {}
-        self._status = {e.key: ModelStatus() for e in entries}
-        self.runners: dict[str, Runner] = {}  # by graph
+        self.models = ModelLifecycle(settings, metrics, self, on_status)  # reads the repository: it fails here
         self.batchers: dict[str, Batcher] = {}  # by graph
-        self._explainers: dict[str, Runner] = {}  # by graph, opened on first use
-        self.jpeg_decoders: dict[str, object] = {}  # by graph: GPU JPEG decoders (gpu_decode.py), where they work
-        self.decode_reasons: dict[str, str] = {}  # by graph: why its GPU decoder did not start (ModelStatus)
         self.cache = AttentionCache(settings.attention_cache_items, settings.attention_cache_bytes,
                                     settings.attention_ttl_s)
         self.regions = Regions()  # clients' system shared memory
@@ -65,49 +56,51 @@ class LocalBackend(ModelLifecycle):
         # requests decoding for each model (entries' order): this process's, and the HTTP workers' under the
         # process backend (board.py)
         self.boards = Boards()
-        self._loading: asyncio.Task | None = None
-        self.device = CPU
-        self._info_labels: dict[str, tuple[str, ...]] = {}
-        self.max_models: int | None = None  # under the process backend, the workers' boards have this many slots
-        self._lifecycle = asyncio.Lock()  # one load or unload at a time
-        self.generation = 0  # counts status changes
-        # returns once every process that routes requests here has seen status `generation` (the process backend's
-        # workers acknowledge each push; in this process a change is seen at once)
-        self.seen_everywhere: Callable[[int], Awaitable[None]] = _at_once
-        self._polling: asyncio.Task | None = None
+
+    @property
+    def entries(self) -> list[ModelEntry]:
+        return self.models.entries
+
+    @property
+    def generation(self) -> int:
+        return self.models.generation
+
+    @property
+    def problems(self) -> dict[str, str]:
+        return self.models.problems
 
     # -- start-up ------------------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         if self.settings.cuda_blocking_sync and (problem := cuda_blocking_sync()):  # before any CUDA context
             log.warning("VITSERVE_CUDA_BLOCKING_SYNC is not applied: %s", problem)
-        self.device = await loop.run_in_executor(None, choose_device, self.entries, self.settings.providers)
-        self.plans = serving_plan(self.entries, self.device, self.settings.providers)
-        self.concurrency = batches_in_flight(self.device)  # as many inference threads
+        device = await loop.run_in_executor(None, choose_device, self.entries, self.settings.providers)
+        self.concurrency = batches_in_flight(device)  # as many inference threads
         self.inference = ThreadPoolExecutor(self.concurrency, thread_name_prefix="infer", initializer=name_pool_thread)
-        self._loading = loop.create_task(self._load_all(), name="load-models")
-        if self.settings.model_control == "poll":
-            self._polling = loop.create_task(self._poll(), name="poll-repository")
+        self.models.start(device)
 
-    def _start_batcher(self, graph: str) -> None:
+    async def loaded(self) -> None:
+        await self.models.loaded()
+
+    # -- the graphs' batching (lifecycle.Graphs) ----------------------------------------------------------
+    def serve_graph(self, graph: str) -> None:
+        models = [i for i, e in enumerate(self.entries) if self.models.plans[e.key].graph == graph]  # (board index)
         self.batchers[graph] = Batcher(
             graph, self._run_batch(graph), self.inference, self.metrics, self.settings.max_batch_size,
             self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency,
-            self.settings.priority_aging_ms / 1000,
-            partial(self.boards.waiting, [i for i, e in enumerate(self.entries) if self.plans[e.key].graph == graph]))
+            self.settings.priority_aging_ms / 1000, partial(self.boards.waiting, models))
         self.batchers[graph].start()
 
-    def use_jpeg_decoder(self, graph: str, decoder) -> None:
-        """JPEGs for this graph's models are sent undecoded and decoded with their batch by `decoder`
-        (gpu_decode.GpuDecoder's interface)."""
-        self.jpeg_decoders[graph] = decoder
-        for name, plan in self.plans.items():
-            if plan.graph == graph and self._status[name].ready:
-                self._status[name].decode, self._status[name].decode_reason = "gpu", None
-        self._changed()
+    async def graph_settled(self, graph: str) -> None:
+        await self.batchers[graph].settled()
+
+    async def close_graph(self, graph: str) -> None:
+        await self.batchers[graph].drained()
+        await self.batchers.pop(graph).stop()
 
     def _run_batch(self, graph: str):
-        policy = self.by_key[graph].policy  # a reload keeps the records' layout, the input size with it
+        models = self.models
+        policy = models.by_key[graph].policy  # a reload keeps the records' layout, the input size with it
 
         observe = self.metrics.phase_observer(graph)
 
@@ -115,7 +108,7 @@ class LocalBackend(ModelLifecycle):
             if (broken := self.problem()) is not None:
                 raise broken
             start = time.perf_counter()
-            runner = self.runners[graph]  # taken per batch: a reload switches it between batches
+            runner = models.runners[graph]  # taken per batch: a reload switches it between batches
             batch = spans(parts)
             try:
                 images, tensors = host_inputs(batch, policy.size, runner.host_batch)
@@ -131,7 +124,7 @@ class LocalBackend(ModelLifecycle):
                                                 "inference_failed") for row, e in failed.items()})
             elapsed = time.perf_counter() - gathered
             output_ms = write_results(batch, outputs, queue_ms, elapsed * 1e3, (gathered - start) * 1e3,
-                                      head(self.by_key[graph]))
+                                      head(models.by_key[graph]))
             observe(sum(p.size for p in parts), (gathered - start, elapsed, output_ms / 1e3))
             return elapsed
 
@@ -140,17 +133,14 @@ class LocalBackend(ModelLifecycle):
     def _decode_jpegs(self, graph: str, parts: list[Part], host_images: np.ndarray):
         """The "jpeg" parts decoded on the GPU, followed by the host images: the batch's images, on the device. A
         JPEG that neither nvImageCodec nor Pillow can read fails its own request only."""
-        decoder, policy = self.jpeg_decoders[graph], self.by_key[graph].policy
+        decoder, policy = self.models.jpeg_decoders[graph], self.models.by_key[graph].policy
         jpegs = [data for part in parts for data in part.inputs]
         decoded, errors = decoder.decode(jpegs, lambda jpeg: upload_input(jpeg, policy, self.settings.max_image_pixels))
         fail_rows(parts, errors)
         return decoder.join(decoded, host_images)
 
     async def close(self) -> None:
-        for task in (self._loading, self._polling):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        await self.models.close()
         for batcher in self.batchers.values():
             await batcher.stop()
         if self.inference is not None:
@@ -158,7 +148,7 @@ class LocalBackend(ModelLifecycle):
 
     # -- serving -------------------------------------------------------------------------------------
     def status(self) -> dict[str, ModelStatus]:
-        return self._status
+        return self.models.status
 
     def problem(self) -> Unavailable | None:
         """Why nothing can be served: the device failed every batch for a while (device_health.py)."""
@@ -169,7 +159,7 @@ class LocalBackend(ModelLifecycle):
 
     def batcher(self, model: str) -> Batcher:
         """The batcher of the graph that serves `model` (NotFound where none does)."""
-        plan = self.plans.get(model)
+        plan = self.models.plans.get(model)
         batcher = self.batchers.get(plan.graph) if plan else None
         if batcher is None:
             raise NotFound(f"{model} is not being served", "model_not_found")
@@ -177,14 +167,15 @@ class LocalBackend(ModelLifecycle):
 
     @contextmanager
     def records(self, model: str, kind: str, n: int) -> Iterator[Lease]:
-        yield Lease(np.empty(n, record_dtype(self.by_key[model], kind)))
+        yield Lease(np.empty(n, record_dtype(self.models.by_key[model], kind)))
 
     def preparing(self, model: str) -> AbstractContextManager[None]:
         return self.boards.preparing(next(i for i, e in enumerate(self.entries) if e.key == model))
 
     def run_here(self, model: str, lease: Lease, top_k: int, trace: str | None = None) -> bool:
         """From a decode thread: the lease's records run in it at once where the model's batcher is idle and runs
-        one batch at a time, as on the CPU (Batcher.try_run_here); False, having done nothing, where they must be run."""
+        one batch at a time, as on the CPU (Batcher.try_run_here); False, having done nothing, where they must be
+        run."""
         return self.batcher(model).try_run_here(lease.records, top_k, trace)
 
     async def run(self, model: str, lease: Lease, top_k: int, jpegs: list[bytes] | None = None,
@@ -213,19 +204,20 @@ class LocalBackend(ModelLifecycle):
                 claim.release()
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
-        graph = self.plans[model].graph
-        entry = self.by_key[graph]
+        models = self.models
+        graph = models.plans[model].graph
+        entry = models.by_key[graph]
         if not entry.has("explain"):
             raise BadInput(f"{model} has no explain graph; use method=last", "rollout_unavailable")
 
         def work() -> list[np.ndarray]:
-            if graph not in self._explainers:  # only the inference threads get here; a second open is harmless
-                self._explainers[graph] = Runner(verify_file(entry, "explain"), input_names(entry),
-                                                 list(self.plans[model].providers), self.settings.intra_op_threads,
-                                                 self.settings.spin_wait, self.settings.cuda_tf32,
-                                                 iobinding=self.settings.iobinding)
+            if graph not in models.explainers:  # only the inference threads get here; a second open is harmless
+                models.explainers[graph] = Runner(verify_file(entry, "explain"), input_names(entry),
+                                                  list(models.plans[model].providers), self.settings.intra_op_threads,
+                                                  self.settings.spin_wait, self.settings.cuda_tf32,
+                                                  iobinding=self.settings.iobinding)
             h, w = entry.policy.size
-            outputs = self._explainers[graph].run(image[None], np.zeros((0, 3, h, w), np.float32))
+            outputs = models.explainers[graph].run(image[None], np.zeros((0, 3, h, w), np.float32))
             return [outputs[name][0] for name in entry.manifest["attention"]["explain_outputs"]]
 
         return await asyncio.get_running_loop().run_in_executor(self.inference, work)
@@ -256,7 +248,3 @@ def fail_rows(parts: list[Part], errors: dict[int, Exception]) -> None:
     for i, error in errors.items():
         part, row = owners[i]
         part.errors[row] = error
-
-
-async def _at_once(generation: int) -> None:
-    pass

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,11 +86,29 @@ class _Outbox:
     flushing: bool = False  # a send is scheduled
 
 
+class _ModelControl:
+    """The inference process's model control (lifecycle.py), asked over the socket."""
+
+    def __init__(self, ask: Callable[[dict], Awaitable[tuple[dict, dict]]]):
+        self._ask = ask
+
+    async def load(self, model: str) -> None:
+        await self._ask({"op": Op.LOAD, "model": model})
+
+    async def unload(self, model: str) -> None:
+        await self._ask({"op": Op.UNLOAD, "model": model})
+
+    async def index(self) -> list[dict]:
+        reply, _ = await self._ask({"op": Op.INDEX})
+        return reply["models"]
+
+
 class ProcessBackend:
     def __init__(self, settings: Settings, socket_path: Path, connect_timeout_s: float = 120.0):
         self.settings, self.socket_path, self.connect_timeout_s = settings, socket_path, connect_timeout_s
         self.entries: list[ModelEntry] = []
         self.problems: dict[str, str] = {}
+        self.models = _ModelControl(self._ask)
         self._status: dict[str, ModelStatus] = {}
         self._loaded = asyncio.Event()
         self._arenas: dict[tuple[str, str], Arena] = {}
@@ -376,16 +394,6 @@ class ProcessBackend:
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         _, arrays = await self._ask({"op": Op.EXPLAIN, "model": model}, {"image": image})
         return [arrays[str(i)] for i in range(len(arrays))]
-
-    async def load(self, model: str) -> None:
-        await self._ask({"op": Op.LOAD, "model": model})
-
-    async def unload(self, model: str) -> None:
-        await self._ask({"op": Op.UNLOAD, "model": model})
-
-    async def index(self) -> list[dict]:
-        reply, _ = await self._ask({"op": Op.INDEX})
-        return reply["models"]
 
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
         await self._ask({"op": Op.REGISTER_REGION, "name": name, "key": key, "offset": offset,

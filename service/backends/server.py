@@ -62,10 +62,10 @@ class InferenceServer:
     def __init__(self, settings: Settings, socket_path: Path):
         self.settings, self.socket_path = settings, socket_path
         self.backend = LocalBackend(settings, Metrics(), on_status=self._push_status, on_broken=_exit_broken)
-        self.backend.max_models = BOARD_SLOTS
+        self.backend.models.max_models = BOARD_SLOTS
         self._writers: set[asyncio.StreamWriter] = set()
         self._seen: dict[asyncio.StreamWriter, int] = {}  # the status generation each worker acknowledged
-        self.backend.seen_everywhere = self._seen_everywhere
+        self.backend.models.seen_everywhere = self._seen_everywhere
         self._tasks: set[asyncio.Task] = set()
         self._frames: dict[tuple[asyncio.StreamWriter, int], Frame] = {}  # open frames, by worker and key
 
@@ -149,7 +149,7 @@ class InferenceServer:
         model, kind = message["model"], message["kind"]
         key = message["arena"]
         if key not in arenas:
-            dtype = record_dtype(self.backend.by_key[model], kind)
+            dtype = record_dtype(self.backend.models.by_key[model], kind)
             path = self.socket_path.parent / key
             arenas[key] = map_records(path, dtype, path.stat().st_size // dtype.itemsize)
         starts, counts = arrays["start"], arrays["count"]
@@ -291,10 +291,10 @@ class InferenceServer:
             layers = await backend.explain(message["model"], arrays["image"])
             return {}, {str(i): layer for i, layer in enumerate(layers)}
         if op in (Op.LOAD, Op.UNLOAD):
-            await getattr(backend, op)(message["model"])
+            await getattr(backend.models, op)(message["model"])
             return {}, {}
         if op == Op.INDEX:
-            return {"models": await backend.index()}, {}
+            return {"models": await backend.models.index()}, {}
         if op == Op.KEEP:
             return {"kept": await backend.keep(message["key"], wire.record_from_wire(message, arrays))}, {}
         if op == Op.REGISTER_REGION:

@@ -45,7 +45,7 @@ async def load(request: Request, name: str) -> dict:
     pipelines: Pipelines = request.app.state.pipelines
     require_model_control(pipelines)
     check_load_parameters((await _json(request)).get("parameters") or {})
-    await pipelines.backend.load(name)
+    await pipelines.backend.models.load(name)
     return {}
 
 
@@ -54,5 +54,5 @@ async def unload(request: Request, name: str) -> dict:
     pipelines: Pipelines = request.app.state.pipelines
     require_model_control(pipelines)
     await _json(request)  # unload_dependents: a model here has none
-    await pipelines.backend.unload(name)
+    await pipelines.backend.models.unload(name)
     return {}
