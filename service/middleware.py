@@ -222,6 +222,8 @@ class RequestMetrics:
 
     def __init__(self, app, metrics: Metrics):
         self.app, self.metrics = app, metrics
+        # the labelled series, each looked up once: a lookup costs more than the write (docs/performance.md)
+        self._series: dict[tuple[str, str, int], tuple] = {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -237,10 +239,13 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, tracked_send)
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", "unmatched")
-            self.metrics.requests.labels(path, scope["method"], str(status)).inc()
-            self.metrics.request_seconds.labels(path).observe(time.perf_counter() - start)
+            path = getattr(scope.get("route"), "path", "unmatched")
+            key = (path, scope["method"], status)
+            if (series := self._series.get(key)) is None:
+                series = self._series[key] = (self.metrics.requests.labels(path, scope["method"], str(status)),
+                                              self.metrics.request_seconds.labels(path))
+            series[0].inc()
+            series[1].observe(time.perf_counter() - start)
 
 
 class TraceRequests:

@@ -114,6 +114,7 @@ class Pipeline:
         self.fields = [*output_names(entry), *(name for name, *_ in head(entry).fields()), *TIMINGS]
         self.attention_outputs = list(entry.attention["outputs"].values()) if entry.attention else []
         self.stats = metrics.request_observer(self.name, str(entry.version))
+        self._queue_series: dict[str, object] = {}  # by graph (_queue_seconds)
 
     async def images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False) -> Results:
         """`run_images`, where the response cache is on (and no photo is kept for a map) for the uploads it has not
@@ -296,8 +297,7 @@ class Pipeline:
             decode_ms, photos, ran = await self._fill(job, lease)
             if not ran:
                 await self._batch(job, lease)
-            graph = self.backend.status()[self.key].graph or self.key
-            self.metrics.queue_seconds.labels(graph).observe(float(records["queue_ms"][0]) / 1e3)
+            self._queue_seconds().observe(float(records["queue_ms"][0]) / 1e3)
             fields = self.fields if job.top_k else self.output_fields
             return Results(results(records, fields), decode_ms, photos, records["image"].copy() if job.keep else None)
 
@@ -334,6 +334,13 @@ class Pipeline:
             raise overloaded(f"no result from {self.name} within {self.settings.request_timeout_s:g}s",
                              self.settings.retry_after_s) from None
         tracing.past_span("queue", queued_ns, float(lease.records["queue_ms"][0]) / 1e3)
+
+    def _queue_seconds(self):
+        """The queue time histogram of the graph that serves this model, looked up once per graph."""
+        graph = self.backend.status()[self.key].graph or self.key
+        if (series := self._queue_series.get(graph)) is None:
+            series = self._queue_series[graph] = self.metrics.queue_seconds.labels(graph)
+        return series
 
     def _decoded(self, start: float) -> float:
         seconds = time.perf_counter() - start
