@@ -1,5 +1,5 @@
 """uvicorn as the service runs it (`python -m service` and each worker of the process backend): its httptools
-protocol with the request head bounded, in size and in time.
+protocol with the request head bounded, in size and in time, and each answer's head and body sent as one.
 
 httptools has no bound of its own on a request line and headers: it gathers a header's value however long it
 grows (by repeated concatenation), so a 64 MB header was read whole, for 7.7 s, while the worker's other clients
@@ -23,6 +23,39 @@ from .settings import Settings
 MAX_HEAD_BYTES = 16 * 1024  # Node's and h11's default; nginx's is 8 KiB a line, 32 KiB in all
 
 
+class WriteCombining:
+    """A connection's transport whose writes in one turn of the event loop go out in one system call at its end
+    (writelines: no copy). uvicorn writes an answer's status line and headers as soon as the app starts it, and its
+    body in a second write; as one, an answer is one send and usually one TCP segment: 14% less CPU per /v2 request
+    in an HTTP worker, 17% more requests a second (bench/http_floor.py, docs/performance.md). A close or an
+    end-of-file sends what waits first; everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._transport, self._loop = transport, loop
+        self._waiting: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._waiting:
+            self._loop.call_soon(self._send)
+        self._waiting.append(data)
+
+    def _send(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        if waiting and not self._transport.is_closing():
+            self._transport.writelines(waiting)
+
+    def write_eof(self) -> None:
+        self._send()
+        self._transport.write_eof()
+
+    def close(self) -> None:
+        self._send()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class BoundedHeadProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, counting the bytes received while a request's head is incomplete: past the
     bound, a 431 and the connection closed. A chunk in which a request ends is not counted (its head may have
@@ -43,7 +76,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)
+        super().connection_made(WriteCombining(transport, self.loop))
         self._time_head()
 
     def connection_lost(self, exc: Exception | None) -> None:

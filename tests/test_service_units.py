@@ -36,6 +36,7 @@ from service.cache import AttentionCache, AttentionRecord
 from service.decode import decode, decode_size, model_input, resize_and_crop, upload_input
 from service.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
 from service.heads import head, top_k
+from service.http_server import WriteCombining
 from service.metrics import Metrics
 from service.middleware import BodyLimit, CancelOnDisconnect
 from service.records import Part, host_inputs, record_dtype, spans, write_results
@@ -739,6 +740,47 @@ def test_a_gzip_bomb_is_inflated_no_further_than_the_body_limit():
     tracemalloc.stop()
     assert sum(given) <= limit + 1 and peak < 8 * limit, (sum(given), peak)
     assert sent[0]["status"] == 413 and b"decompressed" in sent[1]["body"]
+
+
+def test_an_answers_writes_in_one_turn_go_out_as_one_and_a_close_or_eof_sends_what_waits_first():
+    """uvicorn writes an answer's head, then its body: the transport sends both in one call once the turn ends;
+    a close (or an end of file) right after a write sends it before closing."""
+    class Transport:
+        def __init__(self):
+            self.calls, self.closing = [], False
+
+        def writelines(self, pieces):
+            self.calls.append(("send", list(pieces)))
+
+        def close(self):
+            self.calls.append(("close",))
+            self.closing = True
+
+        def write_eof(self):
+            self.calls.append(("eof",))
+
+        def is_closing(self):
+            return self.closing
+
+        def get_extra_info(self, name):
+            return ("127.0.0.1", 8000) if name == "sockname" else None
+
+    async def main():
+        inner = Transport()
+        combined = WriteCombining(inner, asyncio.get_running_loop())
+        combined.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        combined.write(b"{}")
+        assert inner.calls == [] and combined.get_extra_info("sockname") == ("127.0.0.1", 8000)
+        await asyncio.sleep(0)
+        assert inner.calls == [("send", [b"HTTP/1.1 200 OK\r\n\r\n", b"{}"])]
+        combined.write(b"431")
+        combined.write_eof()
+        combined.write(b"last")
+        combined.close()
+        await asyncio.sleep(0)  # the sends scheduled find nothing left, and the transport closed
+        return inner.calls[1:]
+
+    assert asyncio.run(main()) == [("send", [b"431"]), ("eof",), ("send", [b"last"]), ("close",)]
 
 
 def test_a_request_answered_soon_is_never_watched_and_one_that_waits_is_cancelled_once_its_client_leaves():
