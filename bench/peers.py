@@ -70,8 +70,10 @@ MODEL = "shapes-deit"
 SERVERS = ROOT / "bench" / "peers"
 BUILD = ROOT / "build" / "peers"
 ROUTES = ("JPEG", "tensor", "gRPC")
-# the same onnxruntime and Pillow as vitserve runs with: the graph's kernels and the JPEG decoder are not what differs
-SHARED = [f"onnxruntime=={version('onnxruntime')}", f"pillow=={version('pillow')}", "jsonschema"]
+# the same onnxruntime and image libraries as vitserve runs with (service/decode.py's, which every peer imports:
+# bench/peers/common.py): the graph's kernels and the JPEG decoder are not what differs
+SHARED = [f"{name}=={version(name)}" for name in ("onnxruntime", "pillow", "opencv-python-headless", "simplejpeg",
+                                                  "pi-heif")] + ["jsonschema"]
 
 
 @dataclass(frozen=True)

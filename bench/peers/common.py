@@ -1,6 +1,6 @@
 """What every peer server shares with vitserve: the graph, a plain ONNX Runtime session on it, and the service's
-own preprocessing, imported from the project (numpy, Pillow and jsonschema are all it needs), so every server
-feeds the graph the same pixels."""
+own preprocessing, imported from the project (numpy, Pillow, OpenCV, simplejpeg, pi-heif and jsonschema are all
+it needs: bench/peers.py installs them), so every server feeds the graph the same pixels."""
 import sys
 from pathlib import Path
 
