@@ -26,7 +26,6 @@ once, random-init, into --cache; on a host whose torch cannot run the project's 
 missing from --cache stops the run with the command that exports it (docs/development.md#the-gpu-check).
 """
 import argparse
-import io
 import os
 import random
 import re
@@ -42,8 +41,6 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from PIL import Image
-from skimage import data as photos
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -51,6 +48,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from service_process import running_service  # noqa: E402
 
 from bench.export_speed import fp16_graph, fp16_graph_path  # noqa: E402
+from bench.jpegs import MIXED, jpeg, phone_photo  # noqa: E402
 from bench.weightless import refill_all  # noqa: E402
 from export.fusion import REWRITES  # noqa: E402
 from repository import InputPolicy, read_entry  # noqa: E402
@@ -286,12 +284,6 @@ def graphs(models: list[str], batches: list[int], cache: Path, cuda: bool, round
     return raw
 
 
-def jpeg(size: tuple[int, int]) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(photos.chelsea()).resize(size, Image.BICUBIC).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
-
-
 def service(model: str, cache: Path, cuda: bool, clients: list[int], seconds: float, raw: dict,
             max_batch: int, cuda_graph_max_batch: int) -> None:
     folders = [export(cache, model)] + ([export(cache, model, "fp16")] if cuda else [])
@@ -332,20 +324,6 @@ def repository_of(folders: list[Path]) -> Iterator[Path]:
 
 
 @cache
-def phone_photo() -> bytes:
-    """What a phone sends: 4032 x 3024, 4:2:0, quality 92, about 2.3 MB (scikit-image's astronaut enlarged, with
-    a sensor's grain, which is what makes a real photo's entropy decoding cost what it does)."""
-    pixels = np.asarray(Image.fromarray(photos.astronaut()).resize((4032, 3024), Image.BICUBIC), np.int16)
-    grain = np.random.default_rng(0).normal(0, 3, (*pixels.shape[:2], 1)).astype(np.int16)
-    buf = io.BytesIO()
-    Image.fromarray(np.clip(pixels + grain, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=92)
-    return buf.getvalue()
-
-
-# sizes as uploads come: thumbnails to phone photos
-MIXED = [(451, 300), (640, 480), (1024, 768), (1280, 960), (1920, 1080), (3000, 2000)]
-
-
 def decoding(cuda: bool, policy: InputPolicy, copies: int = 512) -> None:
     """Images/s into the model's input: the CPU path on every core against GpuDecoder (the JPEG engines first), in
     batches from one and two threads (the inference threads), for the 451 x 300 photo, the 12 MP one and a mix of

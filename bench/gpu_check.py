@@ -7,6 +7,8 @@ into bench/results/gpu-<date>-<commit>.txt with the device, the CPU, date, commi
     python bench/gpu_check.py --quick                         # a smoke run: 1 s levels, 64 connections, 1 round
     python bench/gpu_check.py --parts service --switches "1 decode thread" --rounds 2 --no-census   # one A/B again
 
+engines: bench/jpeg_engines.py: nvImageCodec's decode alone, configuration by configuration (issue 59's E0-E5:
+         the batched paths, CPU threads, Python threads, upsampling, memory, load hints, batch size), 2-3 minutes.
 service: `python -m service` (the backend it picks: process on CUDA) serving DeiT-Ti from --cache, with its fp16
          sibling on CUDA (so in fp16); wrk (bench/wrk.py, one fixed request over kept-alive connections) for
          1 + 5 + 1 s a level, measured over the middle 5 s: images/s, p50/p99, errors (non-2xx among them), the GPU's
@@ -70,7 +72,7 @@ MODEL = "deit_tiny_patch16_224"
 # the graphs part on CUDA: the models of issue 40's targets (on the CPU, MODEL alone: batch 256 of ViT-B/16 takes
 # a minute there)
 GRAPH_MODELS = [MODEL, "vit_base_patch16_224", "swin_tiny_patch4_window7_224"]
-PARTS = ["service", "decode", "tests", "graphs", "profile"]
+PARTS = ["engines", "service", "decode", "tests", "graphs", "profile"]
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -463,6 +465,8 @@ def main() -> None:
         report(f"{len(refilled)} graphs staged without their weights given new ones (bench/weightless.py) in "
                f"{time.monotonic() - start:.0f} s")
     parts: dict[str, Callable[[], None]] = {
+        "engines": lambda: logged(report, [sys.executable, "bench/jpeg_engines.py",
+                                           *(["--quick"] if args.quick else [])], 400),
         "service": lambda: service(report, args.cache, cuda, clients, seconds, args.switches, args.rounds,
                                    not args.no_census),
         "decode": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "decode", "--models", MODEL,

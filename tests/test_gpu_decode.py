@@ -11,6 +11,8 @@ import inspect
 import io
 import logging
 import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -326,6 +328,20 @@ def test_every_nvimgcodec_and_cupy_name_gpu_decode_uses_exists_in_the_locked_ver
     assert {"nvimgcodec.ColorSpec.SRGB", "nvimgcodec.HW_GPU_ONLY", "self.nvimgcodec.Decoder",
             "self.local.decoder.decode", "self.xp.cuda.Stream", "xp.zeros", "xp.ascontiguousarray"} <= checked, \
         sorted(checked)
+
+
+def test_the_engine_experiments_build_and_measure_every_configuration_they_name():
+    """bench/jpeg_engines.py --quick: every experiment's configurations (the batched paths' options, load hints and
+    their policies, output reuse, the memory pool's threshold where a GPU has one) built by the installed nvImageCodec
+    and measured, one line each; without a GPU its CPU decoder stands in for the engines. None refused."""
+    out = subprocess.run([sys.executable, "bench/jpeg_engines.py", "--quick"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    measured = re.findall(r"^(E\d) [^:]+: .* img/s, [\d.]+ CPU ms/img$", out.stdout, re.M)
+    # E1's grid cut to 3 of 12 by --quick, E2 2, E3 5, E5 2 configurations, each on 3 image sets; E4 6 on one
+    assert [measured.count(e) for e in ("E1", "E2", "E3", "E4", "E5")] == [9, 6, 15, 6, 6], out.stdout
+    assert "FAILED" not in out.stdout and re.search(r"^E0: ", out.stdout, re.M), out.stdout
+    assert re.search(r"^E3 best: ", out.stdout, re.M), out.stdout
 
 
 def test_without_a_gpu_the_locked_decoder_fails_to_start_for_that_alone_and_says_why(caplog):
