@@ -186,7 +186,8 @@ class Usage:
 
 def served(cache: Path, cuda: bool) -> tuple[list[Path], dict[str, wrk.Request]]:
     """The model's repository folders (its fp16 sibling on CUDA) and the requests the levels post."""
-    from gpu import export, phone_photo
+    from gpu import export
+    from jpegs import phone_photo
     folders = [export(cache, MODEL)] + ([export(cache, MODEL, "fp16")] if cuda else [])
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
     pixels = model_pixels(folders[0], jpeg)
@@ -202,7 +203,8 @@ def served(cache: Path, cuda: bool) -> tuple[list[Path], dict[str, wrk.Request]]
 # (the default's decode threads: one per core, at most 8)
 SWITCHES = {"default": {}, "CUDA blocking sync": {"cuda_blocking_sync": True}, "8 HTTP workers": {"workers": 8},
             "1 decode thread": {"decode_threads": 1}, "2 decode threads": {"decode_threads": 2},
-            "GPU decoding": {"gpu_decode": True},
+            "GPU decoding": {"gpu_decode": True},  # the decode router: the CPU decodes what the GPU's queue can't take
+            "GPU decoding, every JPEG": {"gpu_decode": True, "gpu_decode_queue_batches": 10**6},
             "max batch 64": {"max_batch_size": 64}}
 CENSUS_LEVELS = ["/classify 1 JPEG", "/classify 8 JPEG", "/v2 UINT8 1 img"]  # with a census each, at the default
 
@@ -269,7 +271,8 @@ def service(report: Report, cache: Path, cuda: bool, clients: int, seconds: int,
     """At the default settings, a census of each of CENSUS_LEVELS and the 12 MP photo; then the A/B: /classify with
     1 JPEG at each switch against the default, interleaved (schedule), and the 12 MP photo at the default and with
     GPU decoding."""
-    from gpu import phone_photo, repository_of
+    from gpu import repository_of
+    from jpegs import phone_photo
     folders, requests = served(cache, cuda)
     settings = {"queue_limit": 4096, "access_log": False}
     one_thread = decode_cpu_ms(photo_bytes("chelsea", "JPEG", quality=90), read_entry(folders[0]).policy)

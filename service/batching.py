@@ -62,9 +62,11 @@ RunBatch = Callable[[list[Part], list[float]], float]
 class Batcher:
     def __init__(self, name: str, run: RunBatch, executor: Executor, metrics: Metrics, max_batch_size: int,
                  max_queue_delay_s: float, queue_limit: int, concurrency: int = 1, aging_s: float = 0.2,
-                 waiting: Callable[[], int] = lambda: 0):
-        """`waiting`: how many requests are decoding images for this graph, on every board (board.py)."""
+                 waiting: Callable[[], int] = lambda: 0, queued: Callable[[], None] = lambda: None):
+        """`waiting`: how many requests are decoding images for this graph, on every board (board.py); `queued`:
+        called once per turn of the event loop in which the queue changed (the GPU decoder's room is told then)."""
         self.name, self.run, self.executor, self.aging_s, self.waiting = name, run, executor, aging_s, waiting
+        self.queued = queued
         self.max_batch_size, self.max_queue_delay_s, self.queue_limit = max_batch_size, max_queue_delay_s, queue_limit
         self._waiting: deque[Entry] = deque()
         self._ranked = 0  # waiting entries of a level above the default: while none, the first is taken first
@@ -74,6 +76,7 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self._gathering: list[tuple[Entry, Part]] = []  # the batch being gathered
         self.depth = 0  # queued images not yet in a batch
+        self.jpegs = 0  # of those, JPEGs to be decoded with their batch (the GPU decoder's backlog)
         self.finished = 0  # batches run to their end (or failure): progress, for the inference process's pulse
         self._depth_gauge = metrics.queue_depth.labels(name)
         self._observe_batch = metrics.batch_observer(name)
@@ -93,7 +96,7 @@ class Batcher:
         for entry in self._waiting:
             entry.future.cancel()
         self._waiting.clear()
-        self._ranked = 0
+        self._ranked = self.jpegs = 0
 
     def try_run_here(self, records: np.ndarray, top_k: int, trace: str | None = None) -> bool:
         """From a thread of the caller's (a decode thread), the records run at once in that thread, as a batch of
@@ -159,6 +162,7 @@ class Batcher:
         self._waiting.append(entry)
         self._ranked += priority > 0
         self.depth += n
+        self.jpegs += n if entry.kind == "jpeg" else 0
         self._tell_depth()
         self._arrived.set()
         return entry
@@ -170,6 +174,7 @@ class Batcher:
         if waiting:
             entry.rows, entry.inputs, gone = _without(entry.rows, entry.inputs, first, stop)
             self.depth -= gone
+            self.jpegs -= gone if entry.kind == "jpeg" else 0
             entry.left -= gone
             self._tell_depth()
         for owner, part in self._gathering:
@@ -193,6 +198,7 @@ class Batcher:
     def _set_depth_gauge(self) -> None:
         self._depth_told = True
         self._depth_gauge.set(self.depth)
+        self.queued()
 
     async def settled(self, entry: Entry | None = None) -> None:
         """Every batch started so far has finished (with an entry: every one that holds some of its rows; the
@@ -213,6 +219,7 @@ class Batcher:
         if entry in self._waiting:
             self._leave(entry)
             self.depth -= count(entry.rows)
+            self.jpegs -= count(entry.rows) if entry.kind == "jpeg" else 0
             self._tell_depth()
 
     def _leave(self, entry: Entry) -> None:
@@ -246,6 +253,7 @@ class Batcher:
                 taken.append((entry, Part(entry.records, rows, entry.top_k, inputs, entry.kind)))
                 room -= n
                 self.depth -= n
+                self.jpegs -= n if entry.kind == "jpeg" else 0
                 if not count(entry.rows):
                     self._leave(entry)
                 continue

@@ -44,6 +44,9 @@ class Metrics:
                                        ["model"], buckets=_SECONDS, registry=r)
         self.inference_seconds = Histogram("vitserve_inference_seconds", "compute time of one batch",
                                            ["model"], buckets=_SECONDS, registry=r)
+        self.images_decoded = Counter("vitserve_images_decoded", "uploads decoded for a model's graph, by where: gpu "
+                                      "(JPEGs sent undecoded, decoded with their batch) or cpu (the HTTP process's "
+                                      "decode threads)", ["model", "where"], registry=r)
         self.decode_seconds = Histogram("vitserve_decode_seconds", "decode and preprocess time of one image",
                                         buckets=_SECONDS, registry=r)
         self.queue_depth = Gauge("vitserve_queue_depth", "images waiting for a batch", ["model"], registry=r,

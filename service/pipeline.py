@@ -115,6 +115,7 @@ class Pipeline:
         self.attention_outputs = list(entry.attention["outputs"].values()) if entry.attention else []
         self.stats = metrics.request_observer(self.name, str(entry.version))
         self._queue_series: dict[str, object] = {}  # by graph (_queue_seconds)
+        self._decoded_on = {where: metrics.images_decoded.labels(self.name, where) for where in ("cpu", "gpu")}
 
     async def images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False) -> Results:
         """`run_images`, where the response cache is on (and no photo is kept for a map) for the uploads it has not
@@ -150,9 +151,11 @@ class Pipeline:
         """Each upload decoded into one image record and run; where the backend decodes JPEGs on the GPU (and no
         photo is kept for a map), JPEGs go there undecoded. An upload that cannot be read fails alone (in
         Results.errors) where others can be answered; where none can, its error is the request's."""
-        if not keep and self.backend.status()[self.key].decode == "gpu" and all(map(is_jpeg, uploads)):
+        if self._to_gpu(uploads, keep):
             try:
-                return await self._jpegs(uploads, top_k)
+                out = await self._jpegs(uploads, top_k)
+                self._decoded_on["gpu"].inc(len(uploads))
+                return out
             except IMAGE_ERRORS:
                 if len(uploads) == 1:
                     raise  # one of several failed on the GPU: the CPU then tells which (rare)
@@ -179,7 +182,15 @@ class Pipeline:
 
         out = await self._run(Job("image", len(uploads), fill, top_k, keep))
         out.errors = errors
+        self._decoded_on["cpu"].inc(len(uploads) - len(errors))
         return out
+
+    def _to_gpu(self, uploads: list[bytes], keep: bool) -> bool:
+        """The decode router: JPEGs go to the GPU's decoder, undecoded, where the model has one, no photo is kept
+        for a map, and its queue has room for them; else the CPU decodes them here. So the GPU takes uploads while
+        its decode backlog is short and the decode threads the rest, whatever the load (no fixed ratio)."""
+        return (not keep and self.backend.status()[self.key].decode == "gpu" and all(map(is_jpeg, uploads))
+                and self.backend.gpu_room(self.key) >= len(uploads))
 
     async def _jpegs(self, uploads: list[bytes], top_k: int) -> Results:
         def check(records: np.ndarray) -> tuple[list[float], None]:

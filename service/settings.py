@@ -113,6 +113,10 @@ class Settings(BaseSettings):
                                                 "where it and CuPy are installed (the `gpu` extra); else Pillow. Off "
                                                 "by default: on an H200 it served /classify 0.67x the CPU's "
                                                 "decoding, nvImageCodec's own rate the bound (docs/performance.md)")
+    gpu_decode_queue_batches: float = Field(2.0, ge=0, description="with GPU decoding on, JPEGs go to the GPU's "
+                                            "decoder while fewer than this many batches per inference thread of "
+                                            "them wait for it; past that, uploads are decoded on the CPU: the "
+                                            "split follows the load (docs/serving.md)")
     intra_op_threads: int = Field(0, ge=0, description="threads per inference (0: one per core)")
     decode_threads: int = Field(0, ge=0, description="image-decoding threads per process (0: the thread backend one "
                                                      "per core, at most 8; each HTTP worker of the process backend "

@@ -13,6 +13,7 @@ import logging
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -212,6 +213,65 @@ def test_jpegs_decoded_with_their_batch_give_the_cpu_paths_answers_and_a_bad_one
     np.testing.assert_allclose(good.fields["logits"], want[0], atol=0.5)
 
 
+class HeldDecoder(CountingDecoder):
+    """A GPU decoder that decodes nothing until `go` is set: its queue grows meanwhile. `entered`: a batch waits."""
+
+    def __init__(self, policy: InputPolicy):
+        super().__init__(policy)
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def decode(self, jpegs, fallback):
+        if hasattr(self, "go"):  # not the start-up probe
+            self.entered.set()
+            self.go.wait(60)
+        return super().decode(jpegs, fallback)
+
+
+def test_the_gpu_takes_jpegs_while_its_queue_has_room_and_the_cpu_decodes_the_rest():
+    """The decode router: room for 2 JPEGs (1 batch of 2 per inference thread, one thread on the CPU). A first JPEG
+    runs (its decode held), two more queue for the decoder, and the fourth, with the queue full, is decoded on the
+    CPU and queued as an image. Once the decoder moves, all four are answered as the CPU path answers them, and
+    /metrics counts three uploads decoded on the GPU and one on the CPU."""
+    jpeg = photo_bytes("chelsea", "JPEG", quality=90)
+    want = run_graph(REPO / "shapes-vit" / "model.onnx", model_pixels(REPO / "shapes-vit", jpeg)[None])[0][0]
+
+    async def main():
+        backend = LocalBackend(settings(max_batch_size=2, gpu_decode_queue_batches=1, max_queue_delay_ms=0),
+                               Metrics())
+        await backend.start()
+        await backend.loaded()
+        vit = next(e for e in backend.entries if e.name == "shapes-vit")
+        decoder = HeldDecoder(vit.policy)
+        backend.models.use_jpeg_decoder("shapes-vit", decoder)
+        metrics = Metrics()
+        loop, answers = asyncio.get_running_loop(), []
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                pipeline = Pipeline(vit, backend, pool, backend.settings, metrics)
+                answers.append(asyncio.create_task(pipeline.images([jpeg])))
+                assert await loop.run_in_executor(None, decoder.entered.wait, 60)  # running, held
+                rooms = []
+                for depth in (1, 2, 3):  # each queued before the next comes
+                    rooms.append(backend.gpu_room("shapes-vit"))
+                    answers.append(asyncio.create_task(pipeline.images([jpeg])))
+                    while backend.batchers["shapes-vit"].depth < depth:
+                        await asyncio.sleep(0.005)
+                decoder.go.set()
+                done = await asyncio.gather(*answers)
+        finally:
+            decoder.go.set()
+            await backend.close()
+        decoded = {where: metrics.registry.get_sample_value("vitserve_images_decoded_total",
+                                                            {"model": "shapes-vit", "where": where})
+                   for where in ("gpu", "cpu")}
+        return rooms, decoder.calls, done, decoded
+
+    rooms, calls, done, decoded = asyncio.run(main())
+    assert rooms == [2, 1, 0] and calls == [1, 2] and decoded == {"gpu": 3, "cpu": 1}
+    for out in done:
+        np.testing.assert_allclose(out.fields["logits"][0], want, atol=0.5)
+
+
 def test_jpeg_bytes_cross_to_the_inference_process_beside_their_records(tmp_path):
     """Two requests in one frame, one with a JPEG no decoder reads: that one fails alone."""
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
@@ -238,6 +298,8 @@ def test_jpeg_bytes_cross_to_the_inference_process_beside_their_records(tmp_path
                 await asyncio.sleep(0.01)
             else:
                 pytest.fail("the decoder's status never reached the worker")
+            # the decode router's reading, from the inference process's shared memory: 2 batches of 16, one thread
+            assert worker.gpu_room("shapes-deit") == 2 * 16
             logits, broken = await asyncio.gather(run(worker, [jpeg, jpeg]), run(worker, [jpeg[:2000]]),
                                                   return_exceptions=True)
             return logits, broken, decoder.calls

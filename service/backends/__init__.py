@@ -94,6 +94,10 @@ class Backend(Protocol):
     def preparing(self, model: str) -> AbstractContextManager[None]:
         """Around decoding images that will run on `model` (the batcher may wait for them)."""
 
+    def gpu_room(self, model: str) -> int:
+        """How many JPEGs the model's GPU decoder takes now, before its queue holds VITSERVE_GPU_DECODE_QUEUE_BATCHES
+        batches per inference thread (where its status says decode "gpu"): the decode router's reading."""
+
     def run_here(self, model: str, lease: Lease, top_k: int, trace: str | None = None) -> bool:
         """From a decode thread, once the lease's records are filled: run them in that thread if the model is idle,
         and say whether it did (a lone request spared two thread hops); where it did not, `run` them. `trace`: the

@@ -6,6 +6,9 @@ Each process that decodes keeps a *board*: one int32 count per model, in the ord
 An HTTP worker's lies in shared memory: the worker writes it (process.py says when) and the inference process
 reads it, with no message. The thread backend's decode threads count on a board of the process's own. A batcher
 reads the sum over every board of its graph's models.
+
+One board goes the other way: the inference process's room in each model's GPU decoder queue (JPEG_ROOM), which it
+writes as its queues change and every HTTP worker reads to route an upload to the GPU or the CPU (pipeline.py).
 """
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -16,6 +19,7 @@ import numpy as np
 from .arena import map_records
 
 BOARD_SLOTS = 1024  # a worker's board: one count per model, with room for the models loaded after start-up
+JPEG_ROOM = "jpeg-room"  # the inference process's board of its GPU decoders' room: its file in the runtime folder
 
 
 class Board:
@@ -26,7 +30,7 @@ class Board:
 
     @classmethod
     def shared(cls, path: Path, create: bool = False) -> "Board":
-        """An HTTP worker's board, in the file at `path` (made and zeroed with `create`: the worker's own)."""
+        """A board in the file at `path` (made and zeroed with `create`: its writer's)."""
         return cls(map_records(path, np.dtype(np.int32), BOARD_SLOTS, create), path)
 
     def tell(self, index: int, count: int) -> None:

@@ -31,7 +31,7 @@ from ..shared_memory import Regions, SharedIO
 from ..thread_names import name_pool_thread
 from ..urgency import request_priority
 from . import Lease, ModelStatus
-from .board import Boards
+from .board import BOARD_SLOTS, Board, Boards
 from .device_health import DeviceHealth, run_isolating
 from .lifecycle import ModelLifecycle, input_names
 
@@ -56,6 +56,9 @@ class LocalBackend:
         # requests decoding for each model (entries' order): this process's, and the HTTP workers' under the
         # process backend (board.py)
         self.boards = Boards()
+        # JPEGs each model's GPU decoder takes before its queue is full (entries' order; decode router: pipeline.py),
+        # in shared memory that the HTTP workers read under the process backend (server.py)
+        self.jpeg_room = Board(np.zeros(BOARD_SLOTS, np.int32))
 
     @property
     def entries(self) -> list[ModelEntry]:
@@ -88,8 +91,17 @@ class LocalBackend:
         self.batchers[graph] = Batcher(
             graph, self._run_batch(graph), self.inference, self.metrics, self.settings.max_batch_size,
             self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency,
-            self.settings.priority_aging_ms / 1000, partial(self.boards.waiting, models))
+            self.settings.priority_aging_ms / 1000, partial(self.boards.waiting, models),
+            partial(self._tell_jpeg_room, graph, models))
+        self._tell_jpeg_room(graph, models)
         self.batchers[graph].start()
+
+    def _tell_jpeg_room(self, graph: str, models: list[int]) -> None:
+        """The room in the graph's GPU decoder queue (VITSERVE_GPU_DECODE_QUEUE_BATCHES batches per inference
+        thread, less the JPEGs waiting), for each of its models."""
+        limit = self.settings.gpu_decode_queue_batches * self.settings.max_batch_size * self.concurrency
+        for i in models:
+            self.jpeg_room.tell(i, max(0, int(limit) - self.batchers[graph].jpegs))
 
     async def graph_settled(self, graph: str) -> None:
         await self.batchers[graph].settled()
@@ -170,7 +182,14 @@ class LocalBackend:
         yield Lease(np.empty(n, record_dtype(self.models.by_key[model], kind)))
 
     def preparing(self, model: str) -> AbstractContextManager[None]:
-        return self.boards.preparing(next(i for i, e in enumerate(self.entries) if e.key == model))
+        return self.boards.preparing(self._index(model))
+
+    def gpu_room(self, model: str) -> int:
+        return int(self.jpeg_room.counts[self._index(model)])
+
+    def _index(self, model: str) -> int:
+        """The model's place on the boards."""
+        return next(i for i, e in enumerate(self.entries) if e.key == model)
 
     def run_here(self, model: str, lease: Lease, top_k: int, trace: str | None = None) -> bool:
         """From a decode thread: the lease's records run in it at once where the model's batcher is idle and runs

@@ -37,7 +37,7 @@ from ..urgency import request_priority
 from . import Lease, ModelStatus, wire
 from .wire import Op
 from .arena import Arena
-from .board import Board
+from .board import JPEG_ROOM, Board
 from .heartbeat import HEARTBEAT, Heartbeat
 
 log = logging.getLogger("vitserve")
@@ -120,6 +120,7 @@ class ProcessBackend:
         self.generation = 0  # counts status changes
         self._board_path = socket_path.parent / f"board-{self._tag}"
         self._board: Board | None = None  # requests on their way, per model (entries' order): _tell
+        self._jpeg_room: Board | None = None  # the inference process's: room in each GPU decoder queue
         self._heartbeat: Heartbeat | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._connected = False
@@ -129,6 +130,7 @@ class ProcessBackend:
         self._board = Board.shared(self._board_path, create=True)
         self._heartbeat = Heartbeat(self.socket_path.parent / HEARTBEAT)
         reader = await self._join(self.connect_timeout_s)
+        self._jpeg_room = Board.shared(self.socket_path.parent / JPEG_ROOM)  # (made before the socket listened)
         self._reader_task = asyncio.get_running_loop().create_task(self._follow(reader), name="inference-replies")
 
     async def _join(self, timeout_s: float | None) -> asyncio.StreamReader:
@@ -324,6 +326,11 @@ class ProcessBackend:
         """The board's count for the model: the requests that could still join the batch being gathered, so none
         while one of this worker's frames waits to be taken (what comes meanwhile goes in the next frame)."""
         self._board.tell(outbox.index, 0 if outbox.queued else outbox.decoding + len(outbox.pending))
+
+    def gpu_room(self, model: str) -> int:
+        """The inference process's reading, less this worker's JPEGs held back for the model's next frame."""
+        outbox = self._outboxes[model]
+        return int(self._jpeg_room.counts[outbox.index]) - sum(q.lease.n for q in outbox.pending if q.jpegs)
 
     def run_here(self, model: str, lease: Slots, top_k: int, trace: str | None = None) -> bool:
         return False  # the sessions are in the inference process

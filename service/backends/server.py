@@ -33,7 +33,7 @@ from ..shared_memory import Claim, SharedIO
 from . import wire
 from .wire import Op
 from .arena import map_records
-from .board import BOARD_SLOTS
+from .board import BOARD_SLOTS, JPEG_ROOM, Board
 from .device_health import BROKEN_EXIT_STATUS
 from .heartbeat import HEARTBEAT, PULSE_S, Heartbeat
 from .local import LocalBackend
@@ -63,6 +63,10 @@ class InferenceServer:
         self.settings, self.socket_path = settings, socket_path
         self.backend = LocalBackend(settings, Metrics(), on_status=self._push_status, on_broken=_exit_broken)
         self.backend.models.max_models = BOARD_SLOTS
+        try:  # a restarted inference process writes the same file, which the workers keep mapped
+            self.backend.jpeg_room = Board.shared(socket_path.parent / JPEG_ROOM, create=True)
+        except FileExistsError:
+            self.backend.jpeg_room = Board.shared(socket_path.parent / JPEG_ROOM)
         self._writers: set[asyncio.StreamWriter] = set()
         self._seen: dict[asyncio.StreamWriter, int] = {}  # the status generation each worker acknowledged
         self.backend.models.seen_everywhere = self._seen_everywhere
