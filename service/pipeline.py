@@ -44,9 +44,10 @@ log = logging.getLogger("vitserve")
 
 @dataclass
 class Results:
-    """One request's images: their results by record field (outputs, probs, top_index, top_score, timings), each
-    image's decode time and, when kept for attention maps, the decoded photos and the model inputs; and the images
-    that could not be read, by index, each with its error (their rows ran as zeros and mean nothing)."""
+    """One request's images: their results by record field (the graph's outputs, the head's fields where labels were
+    asked for: heads.py, and the timings), each image's decode time and, when kept for attention maps, the decoded
+    photos and the model inputs; and the images that could not be read, by index, each with its error (their rows
+    ran as zeros and mean nothing)."""
     fields: dict[str, np.ndarray]
     decode_ms: list[float]
     photos: list[Photo | None] | None = None
