@@ -21,6 +21,16 @@ def map_records(path: Path, dtype: np.dtype, slots: int, create: bool = False) -
     return np.ndarray(slots, dtype, buffer)
 
 
+def map_or_make(path: Path, dtype: np.dtype, slots: int) -> np.ndarray:
+    """`map_records` of the file made (zeroed) by whichever process opens it first: one that outlives the
+    processes that write it (the heartbeat, the GPU decoders' room, which a restarted inference process rewrites
+    and the workers keep mapped)."""
+    try:
+        return map_records(path, dtype, slots, create=True)
+    except FileExistsError:
+        return map_records(path, dtype, slots)
+
+
 class Arena:
     """A worker's slots for one model and kind; a request takes a contiguous run of them."""
 

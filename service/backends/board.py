@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .arena import map_records
+from .arena import map_or_make, map_records
 
 BOARD_SLOTS = 1024  # a worker's board: one count per model, with room for the models loaded after start-up
 JPEG_ROOM = "jpeg-room"  # the inference process's board of its GPU decoders' room: its file in the runtime folder
@@ -32,6 +32,11 @@ class Board:
     def shared(cls, path: Path, create: bool = False) -> "Board":
         """A board in the file at `path` (made and zeroed with `create`: its writer's)."""
         return cls(map_records(path, np.dtype(np.int32), BOARD_SLOTS, create), path)
+
+    @classmethod
+    def lasting(cls, path: Path) -> "Board":
+        """A board in the file at `path`, made where it is missing, else the one there (arena.map_or_make)."""
+        return cls(map_or_make(path, np.dtype(np.int32), BOARD_SLOTS), path)
 
     def tell(self, index: int, count: int) -> None:
         self.counts[index] = count

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .arena import map_records
+from .arena import map_or_make
 
 PULSE_S = 0.25  # how often the inference process beats
 HEARTBEAT = "heartbeat"  # its file in the runtime folder
@@ -22,10 +22,7 @@ class Heartbeat:
     inference process."""
 
     def __init__(self, path: Path):
-        try:
-            self.values = map_records(path, np.dtype(np.float64), 2, create=True)
-        except FileExistsError:
-            self.values = map_records(path, np.dtype(np.float64), 2)
+        self.values = map_or_make(path, np.dtype(np.float64), 2)
 
     def reset(self) -> None:
         """No beat yet: a process starting up (imports, then its first beat) is not silent."""

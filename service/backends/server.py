@@ -63,10 +63,8 @@ class InferenceServer:
         self.settings, self.socket_path = settings, socket_path
         self.backend = LocalBackend(settings, Metrics(), on_status=self._push_status, on_broken=_exit_broken)
         self.backend.models.max_models = BOARD_SLOTS
-        try:  # a restarted inference process writes the same file, which the workers keep mapped
-            self.backend.jpeg_room = Board.shared(socket_path.parent / JPEG_ROOM, create=True)
-        except FileExistsError:
-            self.backend.jpeg_room = Board.shared(socket_path.parent / JPEG_ROOM)
+        # a restarted inference process writes the same file, which the workers keep mapped
+        self.backend.jpeg_room = Board.lasting(socket_path.parent / JPEG_ROOM)
         self._writers: set[asyncio.StreamWriter] = set()
         self._seen: dict[asyncio.StreamWriter, int] = {}  # the status generation each worker acknowledged
         self.backend.models.seen_everywhere = self._seen_everywhere
