@@ -57,6 +57,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
             await grpc_front.stop(settings.request_timeout_s)
         await backend.close()
         pipelines.close()
+        tracing.shut_down()
 
     app = FastAPIOffline(  # /docs and /redoc with their scripts served from a package: nothing from a CDN
         static_url="/docs/static", title="vitserve", version="0.1.0", lifespan=lifespan,

@@ -24,6 +24,7 @@ from PIL import Image, UnidentifiedImageError
 
 from repository import InputPolicy
 
+from .avif_header import largest_frame
 from .errors import BadInput, TooLarge, UnsupportedMedia
 from .jpeg_header import jpeg_header
 
@@ -69,7 +70,8 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 @contextmanager
 def _decoding():
-    """Pillow's complaints as the service's errors."""
+    """The decoders' complaints (Pillow's, libheif's through pi-heif, libavif's) as the service's errors: a client's
+    file is never a 500."""
     try:
         yield
     except Image.DecompressionBombError as e:
@@ -77,15 +79,27 @@ def _decoding():
     except UnidentifiedImageError:
         raise UnsupportedMedia("not an image this server can decode (JPEG, PNG, WebP, HEIC, AVIF, GIF, BMP, "
                                "TIFF)") from None
+    except RuntimeError as e:  # pi-heif's: libheif's errors, its security limits among them
+        if "Security limit exceeded" in str(e):  # past libheif's bounds, or larger than the file says it is
+            raise TooLarge(f"the image is larger than it may be decoded: {e}".strip(), "image_too_large") from None
+        raise BadInput(f"the image could not be decoded: {e}".strip(), "bad_image") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise BadInput(f"the image could not be decoded: {e}", "bad_image") from None
 
 
 def _open(data: bytes, max_pixels: int) -> Image.Image:
-    """The image, its header read and nothing decoded yet; a non-image or one over max_pixels raises."""
+    """The image, its header read and nothing decoded yet; a non-image or one over max_pixels raises. An AVIF's
+    pixels are counted in the frames its AV1 data decodes, which its declared size need not bound (avif_header.py);
+    libheif itself refuses a HEIC that decodes larger than its declared size (seen with libheif 1.23: a 8192 x 8192
+    HEIC declaring 64 x 64 is refused before its planes are allocated)."""
     with _decoding():
         image = Image.open(io.BytesIO(data))
-    _check_pixels(*image.size, max_pixels)
+        _check_pixels(*image.size, max_pixels)
+        if image.format == "AVIF":
+            width, height = largest_frame(data)
+            if width * height > max_pixels:
+                raise TooLarge(f"image declares {image.width}x{image.height} but decodes frames of {width}x{height} "
+                               f"= {width * height} pixels; the limit is {max_pixels}", "image_too_large")
     return image
 
 

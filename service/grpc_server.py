@@ -37,7 +37,7 @@ from .protocol import open_inference_pb2 as pb
 from .settings import Settings
 from .shared_memory import NO_CUDA_SHARED_MEMORY, no_cuda_region, requested_slice
 from .statistics import current_statistics
-from .urgency import set_urgency
+from .urgency import TIMEOUT_US_MAX, set_urgency
 
 log = logging.getLogger("vitserve")
 
@@ -269,9 +269,10 @@ class InferenceService:
         (`call_s` seconds left) and the request's `timeout` parameter (µs, Triton's), the sooner."""
         given = parameters(request.parameters)
         timeout_us, priority = given.get("timeout"), given.get("priority")
-        if timeout_us is not None and (not isinstance(timeout_us, int) or timeout_us < 1):
-            raise BadInput(f"parameter timeout {timeout_us!r}: a whole number of microseconds, at least 1")
-        if priority is not None and not isinstance(priority, int):
+        if timeout_us is not None and (type(timeout_us) is not int or not 1 <= timeout_us <= TIMEOUT_US_MAX):
+            raise BadInput(f"parameter timeout {timeout_us!r}: a whole number of microseconds, 1 to "
+                           f"{TIMEOUT_US_MAX}")  # (type: a bool_param is an int to isinstance)
+        if priority is not None and type(priority) is not int:
             raise BadInput(f"parameter priority {priority!r}: a whole number", "bad_priority")
         limits = [s for s in (call_s, timeout_us and timeout_us / 1e6) if s is not None]
         set_urgency(time.perf_counter(), min(limits, default=None), priority, self.pipelines.settings.priority_levels)

@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -53,6 +54,36 @@ class Results:
     photos: list[Photo | None] | None = None
     inputs: np.ndarray | None = None
     errors: dict[int, ServiceError] = field(default_factory=dict)
+
+
+@dataclass
+class FoundFaces:
+    """One photo's faces, found and aligned (Pipeline.find_faces), on their way to their batch (run_faces)."""
+    size: tuple[int, int]  # the photo's upright (width, height)
+    found: Faces | None  # None without detection: the photo itself is the one face
+    crops: list[Photo]  # each face aligned, what the model's input is made from
+    found_ms: float  # to decode, detect and align
+
+
+class FaceBudget:
+    """The faces one /expression request may have classified, all its photos together: more than the model's queue
+    holds could never run, and VITSERVE_FACE_REQUEST_MAX may allow fewer. Its photos are detected in several decode
+    threads at once; once their faces pass the budget, those not yet detected are not, and the request is a 413."""
+
+    def __init__(self, limit: int):
+        self.limit, self.found = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            self.found += n
+
+    def check(self) -> None:
+        """TooLarge once the request's faces found so far are past its budget."""
+        if self.found > self.limit:
+            raise TooLarge(f"this request's photos hold more than {self.limit} faces (at least {self.found}), the "
+                           "most one request may have classified (VITSERVE_FACE_REQUEST_MAX, within the model's "
+                           "queue limit): send fewer photos at once, or ask for fewer max_faces", "too_many_faces")
 
 
 # fills a job's records in place: each image's decode ms, and the decoded photos where they are kept
@@ -132,7 +163,7 @@ class Pipeline:
         self.stats.looked_up(len(uploads) - len(missed), len(missed), time.perf_counter() - start)
         if not missed:
             return Results({name: np.stack([row[name] for row in rows]) for name in self.fields}, [0.0] * len(rows))
-        out = await self.run_images([uploads[i] for i in missed], top_k)
+        out = await self.run_images([uploads[i] for i in missed], top_k, answered=len(uploads) - len(missed))
         for j, i in enumerate(missed):
             if j not in out.errors:
                 row = {name: np.array(out.fields[name][j]) for name in self.fields}  # copies, scalars 0-d
@@ -148,10 +179,13 @@ class Pipeline:
                        errors={i: out.errors[j] for i, j in at.items() if j in out.errors})
 
     @counted
-    async def run_images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False) -> Results:
+    async def run_images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False, answered: int = 0
+                         ) -> Results:
         """Each upload decoded into one image record and run; where the backend decodes JPEGs on the GPU (and no
         photo is kept for a map), JPEGs go there undecoded. An upload that cannot be read fails alone (in
-        Results.errors) where others can be answered; where none can, its error is the request's."""
+        Results.errors) where others can be answered, these or the request's `answered` elsewhere (the response
+        cache's); where none can, its error is the request's. The request's deadline is checked between uploads:
+        a decode is not interrupted, so the 504 comes at most one upload's decode late."""
         if self._to_gpu(uploads, keep):
             try:
                 out = await self._jpegs(uploads, top_k)
@@ -161,10 +195,13 @@ class Pipeline:
                 if len(uploads) == 1:
                     raise  # one of several failed on the GPU: the CPU then tells which (rare)
         errors: dict[int, ServiceError] = {}
+        deadline = request_deadline()  # (read here, on the event loop: the decode thread has no context)
 
         def fill(records: np.ndarray) -> tuple[list[float], list[Photo | None] | None]:
             decode_ms, photos = [], []
             for i, data in enumerate(uploads):
+                if i:
+                    check_deadline(deadline, self.name, f"after {i} of its {len(uploads)} images' decode")
                 start = time.perf_counter()
                 try:
                     if keep:  # the photo itself, for the maps drawn over it
@@ -173,7 +210,7 @@ class Pipeline:
                     else:
                         records["image"][i] = upload_input(data, self.policy, self.settings.max_image_pixels)
                 except IMAGE_ERRORS as e:
-                    if len(errors) + 1 == len(uploads):
+                    if len(errors) + 1 == len(uploads) and not answered:
                         raise
                     errors[i], records["image"][i] = e, 0
                     if keep and len(photos) == i:  # (not decoded)
@@ -201,17 +238,19 @@ class Pipeline:
 
         return await self._run(Job("jpeg", len(uploads), check, top_k, jpegs=uploads))
 
-    @counted
-    async def faces(self, upload: bytes, detect: bool, settings: DetectorSettings, keep: bool = False
-                    ) -> tuple[tuple[int, int], Faces | None, float, Results]:
-        """The faces of a photo, each aligned into one image record, or the whole photo as one aligned face, in
-        one batch: (the photo's size, the faces found (None without `detect`), ms to decode, detect and align,
-        results)."""
+    async def find_faces(self, upload: bytes, detect: bool, settings: DetectorSettings, budget: FaceBudget
+                         ) -> FoundFaces:
+        """A photo's faces, found and aligned in a decode thread, or the whole photo as one aligned face, ready for
+        their batch (run_faces). The request's deadline is checked before the decode, before the detection and after
+        it; a photo of a request whose faces have already passed its budget is neither decoded nor detected."""
         start = time.perf_counter()
         detector = self._detector() if detect else None
         side = self.policy.resize_short_side  # aligned squares, then the model's own resize and crop
+        deadline = request_deadline()
 
         def decode_and_detect() -> tuple[tuple[int, int], Faces | None, list[Photo]]:
+            check_deadline(deadline, self.name, "before its decode")
+            budget.check()
             if detector is None:
                 photo = decode(upload, None, self.settings.max_image_pixels)
                 return photo.size, None, [photo]
@@ -220,21 +259,28 @@ class Pipeline:
             width, height = decode_size(upload, self.settings.max_image_pixels)
             photo = decode(upload, math.ceil(settings.max_side * min(width, height) / max(width, height)),
                            self.settings.max_image_pixels)
+            check_deadline(deadline, self.name, "before its face detection")
+            budget.check()  # (its decode may have been long)
             found = detector.detect(photo.image, settings)
+            budget.take(len(found))
+            check_deadline(deadline, self.name, "after its face detection")
             faces = [Photo(face, face.size) for face in align(photo.image, found.landmarks, (side, side))]
             return photo.size, found.scaled(photo.size[0] / photo.image.width), faces
 
         with self.backend.preparing(self.key):
-            size, found, photos = await asyncio.get_running_loop().run_in_executor(self.decode_pool,
-                                                                                   decode_and_detect)
-        found_ms = self._decoded(start)
+            size, found, crops = await asyncio.get_running_loop().run_in_executor(self.decode_pool,
+                                                                                  decode_and_detect)
+        return FoundFaces(size, found, crops, self._decoded(start))
 
+    @counted
+    async def run_faces(self, faces: FoundFaces, keep: bool = False) -> Results:
+        """A photo's aligned faces run in one batch (none: no batch, the deadline still checked)."""
         def fill(records: np.ndarray) -> tuple[list[float], list[Photo] | None]:
-            for i, face in enumerate(photos):
+            for i, face in enumerate(faces.crops):
                 records["image"][i] = model_input(face.image, self.policy)
-            return [found_ms] * len(photos), photos if keep else None
+            return [faces.found_ms] * len(faces.crops), faces.crops if keep else None
 
-        return size, found, found_ms, await self._run(Job("image", len(photos), fill, 1, keep))
+        return await self._run(Job("image", len(faces.crops), fill, 1, keep))
 
     def _detector(self) -> FaceDetector:
         if self.detector is None:
@@ -300,10 +346,11 @@ class Pipeline:
     async def _run(self, job: Job) -> Results:
         """The job's three steps: its records filled (in the decode pool), batched and run, its results copied
         out."""
-        if job.n == 0:
+        job.deadline, job.trace = request_deadline(), tracing.traceparent()
+        if job.n == 0:  # (a photo without faces) nothing to run, but a request past its deadline is still a 504
+            check_deadline(job.deadline, self.name, "before its batch")
             return Results({}, [])
         self._check_count(job.n)
-        job.deadline, job.trace = request_deadline(), tracing.traceparent()
         with self.backend.records(self.key, job.kind, job.n) as lease:
             records = lease.records
             decode_ms, photos, ran = await self._fill(job, lease)

@@ -133,6 +133,10 @@ class Settings(BaseSettings):
                                                            "decode or a batch (each HTTP worker its own); 0: off")
     attention_ttl_s: float = Field(600.0, gt=0, description="how long an attention result stays retrievable")
     face_max: int = Field(20, ge=1, le=100, description="faces classified per image, largest first")
+    face_request_max: int = Field(256, ge=1, description="faces classified per /expression request, all its photos "
+                                  "together (the model's queue limit bounds it too): past it the request is a 413 "
+                                  "too_many_faces and its photos not yet detected are not. 256, the default queue "
+                                  "limit: 64 files of up to 20 faces would be 1,280 images in one request")
     face_min_size: int = Field(32, ge=12, description="smallest face side, in pixels, the detector looks for (in "
                                                        "a photo larger than FACE_DETECT_SIDE, at least 12 pixels "
                                                        "of the copy detection runs on)")

@@ -9,19 +9,27 @@ many requests: its span is linked to each of them, and is the child of its first
 trace; under the process backend it is made in the inference process from the requests' `traceparent`s, which
 travel with the worker's frame.
 """
-import atexit
+import logging
 import os
+import threading
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+log = logging.getLogger("vitserve")
+
 _tracer: Any = None  # an opentelemetry Tracer, where traces are on
+_provider: Any = None  # its TracerProvider, which shut_down ends
 _OFF = nullcontext()
+# How long the spans still batched at shutdown may take to go out. The SDK's own shutdown waits 30 s for its worker,
+# whose exports each wait the exporter's 10 s: a collector that accepts and never answers held an idle server's exit
+# 20-30 s after SIGTERM, the whole of Kubernetes' default grace (issue 65).
+SHUTDOWN_S = 2.0
 
 
 def enable(role: str) -> None:
     """Traces on in this process, where OTEL_TRACES_EXPORTER asks for OTLP; `role`: which of the service's
     processes this is (vitserve.role)."""
-    global _tracer
+    global _tracer, _provider
     if "otlp" not in os.environ.get("OTEL_TRACES_EXPORTER", "").split(","):
         return
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -29,12 +37,27 @@ def enable(role: str) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME",
-                                                                                       "vitserve"),
-                                                        "vitserve.role": role}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    atexit.register(provider.shutdown)  # what is still batched goes out
-    _tracer = provider.get_tracer("vitserve")
+    _provider = TracerProvider(resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME",
+                                                                                        "vitserve"),
+                                                         "vitserve.role": role}),
+                               shutdown_on_exit=False)  # (shut_down's bounded wait instead of its atexit one)
+    _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    _tracer = _provider.get_tracer("vitserve")
+
+
+def shut_down(seconds: float = SHUTDOWN_S) -> None:
+    """At the process's end: the spans still batched go out within `seconds`, or are dropped, and the log says so
+    (a no-op where traces are off)."""
+    global _provider
+    provider, _provider = _provider, None
+    if provider is None:
+        return
+    ending = threading.Thread(target=provider.shutdown, name="trace-shutdown", daemon=True)
+    ending.start()
+    ending.join(seconds)
+    if ending.is_alive():  # (its daemon threads end with the process)
+        log.warning("traces: the spans still batched did not reach the collector within %gs of shutdown; dropped",
+                    seconds)
 
 
 def on() -> bool:

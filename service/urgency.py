@@ -2,8 +2,8 @@
 
 The deadline: when its client stops waiting for the answer. It is set once where the request arrives
 (`timeout_ms` on the REST routes, the Open Inference Protocol's `timeout` parameter in microseconds as Triton reads
-it, a gRPC call's own deadline) and read where the request would wait or work: before its decode, before its
-batch, and as the bound on its wait in the queue. A request past it is dropped there, its images never run, and
+it, a gRPC call's own deadline) and read where the request would wait or work: before its decode, between its
+files, before its batch, and as the bound on its wait in the queue. A request past it is dropped there, its images never run, and
 answered 504 `deadline_exceeded` (gRPC DEADLINE_EXCEEDED).
 
 The priority, Triton's: level 1 is taken into a batch first, then 2, up to VITSERVE_PRIORITY_LEVELS, the default
@@ -19,6 +19,8 @@ from .errors import BadInput, DeadlineExceeded
 
 TIMEOUT_MS = ("the client's deadline in ms from the request's arrival: a request still unanswered then is dropped "
               "before its decode or its batch, its images never run, and answered 504 deadline_exceeded")
+
+TIMEOUT_US_MAX = 2**64 - 1  # the Open Inference Protocol's `timeout`: a uint64 of µs, as Triton reads it
 
 PRIORITY = ("Triton's priority: 1 is taken into a batch first, then 2, up to VITSERVE_PRIORITY_LEVELS, the default "
             "(0 or none); an image that has waited VITSERVE_PRIORITY_AGING_MS is taken as a level-1 one")

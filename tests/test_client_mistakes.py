@@ -1,36 +1,52 @@
 """A careless or unfriendly client's mistakes, on both backends: each gets a 4xx JSON answer the client can read
 (never a 5xx, a reset connection or a body that is not JSON), and the server serves right after."""
 import contextlib
+import functools
 import gzip
 import http.client
+import io
 import json
 import socket
+import struct
 import threading
 import time
 import urllib.error
 import urllib.request
 import zlib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton_http
-from service_process import photo_bytes, process_metrics, running_service
+from face_scenes import astronaut_five_times
+from PIL import Image
+from service_process import children, metric, photo_bytes, process_metrics, service_and_process
 from tritonclient.utils import InferenceServerException
 
 KEY = {"X-API-Key": "secret"}
 LIMIT = 2_000_000
 JSON_LIMIT = 1_500_000
+FACES = 4  # faces per /expression request (VITSERVE_FACE_REQUEST_MAX)
 INFER = "/v2/models/shapes-vit/infer"
 JPEG = photo_bytes("chelsea", "JPEG")
+REFERENCE = Path(__file__).parent / "reference"
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])
-def url(request):
-    with running_service(backend=request.param, workers=2, max_upload_bytes=LIMIT, max_json_bytes=JSON_LIMIT,
-                         api_key="secret") as base:
-        yield base
+def server(request):
+    """(URL, the `python -m service` process) of a server with one decode thread per process, so that a request's
+    photos are decoded one after the other, in order."""
+    with service_and_process(backend=request.param, workers=2, max_upload_bytes=LIMIT, max_json_bytes=JSON_LIMIT,
+                             api_key="secret", face_request_max=FACES, decode_threads=1) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server[0]
 
 
 def urllib_post(url: str, body: bytes | Iterable[bytes], headers: dict[str, str]) -> tuple[int, bytes]:
@@ -265,3 +281,131 @@ def test_v2_json_past_its_own_limit_is_a_413_that_says_to_send_binary_and_binary
         images.set_data_from_numpy(np.zeros((60, 96, 96, 3), np.uint8))
         assert client.infer("shapes-vit", [images], headers=dict(KEY)).as_numpy("logits").shape == (60, 6)
     serves(url)
+
+
+def declaring(data: bytes, width: int, height: int) -> bytes:
+    """The HEIF/AVIF with its (first) ispe box declaring width x height: a container's size, which may lie."""
+    at = data.index(b"ispe") + 8  # past the box's type, version and flags
+    return data[:at] + struct.pack(">II", width, height) + data[at + 8:]
+
+
+# real files (tests/reference/make_bomb_references.py): a photo, and flat photos of 144 and 16 MP in 2 and 4 KB
+CHELSEA_HEIC = (REFERENCE / "chelsea_iphone.heic").read_bytes()
+AVIF_144MP, HEIC_16MP = (REFERENCE / "flat_12000.avif").read_bytes(), (REFERENCE / "flat_4000.heic").read_bytes()
+BOMBS = {"HEIC declaring 60000 x 60000": declaring(CHELSEA_HEIC, 60000, 60000),
+         "4000 x 4000 HEIC declaring 64 x 64": declaring(HEIC_16MP, 64, 64),
+         "12000 x 12000 AVIF": AVIF_144MP,
+         "12000 x 12000 AVIF declaring 64 x 64": declaring(AVIF_144MP, 64, 64),
+         "12000 x 12000 AVIF declaring 7000 x 7000": declaring(AVIF_144MP, 7000, 7000)}
+
+
+def post(url: str, route: str, files: list[tuple[str, bytes]], field: str = "file", **params) -> httpx.Response:
+    return httpx.post(url + route, files=[(field, (name, data)) for name, data in files], params=params,
+                      headers=KEY, timeout=60)
+
+
+def test_heic_and_avif_bombs_are_413s_on_every_route_and_alone_among_several_files(url):
+    """Past the server's 50 MP by what is decoded, not by what the container declares: libheif refuses a HEIC larger
+    than its header says, and an AVIF's AV1 sequence headers are read before dav1d allocates their frames."""
+    routes = [("/classify", {}), ("/classify", {"attention": "true"}), ("/attention-map", {}),
+              ("/expression", {}), ("/expression", {"detect": "false"})]
+    for name, bomb in BOMBS.items():
+        for route, params in routes:
+            r = post(url, route, [(name, bomb)], **params)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "image_too_large", (name, route, r.text)
+        r = post(url, "/classify", [("chelsea.jpg", JPEG), (name, bomb)], field="files")
+        assert r.status_code == 200, (name, r.text)
+        ok, refused = r.json()["results"]
+        assert ok["predictions"] and refused["error"]["code"] == "image_too_large", (name, r.text)
+    for name, cut in (("cut.heic", CHELSEA_HEIC[:len(CHELSEA_HEIC) // 2]), ("cut.avif", AVIF_144MP[:900])):
+        r = post(url, "/classify", [(name, cut)])
+        assert r.status_code in (400, 415) and r.json()["error"]["code"] in ("bad_image", "unsupported_media_type")
+    serves(url)
+
+
+def peaks(pids: list[int]) -> dict[int, tuple[int, int]]:
+    """Each process's (peak, current) resident memory in bytes (/proc/PID/status VmHWM, VmRSS)."""
+    found = {}
+    for pid in pids:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        found[pid] = tuple(int(fields[key].split()[0]) * 1024 for key in ("VmHWM", "VmRSS"))
+    return found
+
+
+def test_an_avif_that_lies_about_its_size_is_refused_before_its_frame_is_allocated(server):
+    """Four at once, each 144 MP (216 MB of frame for dav1d) declaring 64 x 64: no process of the service grows."""
+    url, proc = server
+    serves(url)
+    pids = [proc.pid, *children(proc.pid)]
+    for pid in pids:  # each process's peak from now on (Linux: 5 resets VmHWM to the current RSS)
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    before = peaks(pids)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: post(url, "/classify", [("lie.avif", BOMBS["12000 x 12000 AVIF declaring "
+                                                                                        "64 x 64"])]), range(4)))
+    after = peaks(pids)
+    assert all(r.status_code == 413 for r in answers), [r.text for r in answers]
+    grown = {pid: ((after[pid][0] - before[pid][1]) >> 20, (after[pid][1] - before[pid][1]) >> 20) for pid in pids}
+    assert all(peak < 64 and now < 32 for peak, now in grown.values()), grown  # MB
+    serves(url)
+
+
+@functools.cache
+def slow_avif() -> bytes:
+    """A flat 6000 x 6000 AVIF: 1 KB that takes dav1d a tenth of a second or more to decode."""
+    buf = io.BytesIO()
+    Image.new("RGB", (6000, 6000), (90, 120, 150)).save(buf, "AVIF", quality=10, speed=10)
+    return buf.getvalue()
+
+
+def test_a_deadline_passes_between_the_files_of_a_slow_decode_and_on_a_photo_without_faces(url):
+    """40 files, each a tenth of a second or more of decoding: the 504 comes within about one file's decode of the
+    deadline, not after all 40 (the client's own decode of one file tells how long that is here, now)."""
+    avif = slow_avif()
+    start = time.perf_counter()
+    Image.open(io.BytesIO(avif)).load()
+    one = time.perf_counter() - start
+    start = time.perf_counter()
+    r = post(url, "/classify", [(f"{i}.avif", avif) for i in range(40)], field="files", timeout_ms=1000)
+    took = time.perf_counter() - start
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
+    assert "images' decode" in r.json()["error"]["message"], r.text  # between files, not before the first
+    assert took < 1.0 + 4 * one + 1.0, (took, one)  # all 40 would take 40 of them
+    r = post(url, "/expression", [("chelsea.jpg", JPEG)], timeout_ms=1)  # no face: no batch to wait before
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
+    serves(url)
+
+
+def test_a_request_with_more_faces_than_it_may_have_classified_is_a_413_and_its_other_photos_go_undetected(url):
+    """FACES (4) per request: one photo of five faces is past it; of three such photos, decoded one after the other
+    (one decode thread), the first is detected and the two after it are not decoded at all."""
+    scene, _ = astronaut_five_times()
+    buf = io.BytesIO()
+    scene.save(buf, "JPEG", quality=90)
+    five = buf.getvalue()
+    r = post(url, "/expression", [("five.jpg", five)])
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_faces", r.text
+    decoded = metric(httpx.get(f"{url}/metrics", timeout=10).text, "vitserve_decode_seconds_count")
+    r = post(url, "/expression", [(f"{i}.jpg", five) for i in range(3)], field="files")
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_faces", r.text
+    assert metric(httpx.get(f"{url}/metrics", timeout=10).text, "vitserve_decode_seconds_count") == decoded + 1
+    r = post(url, "/expression", [(f"{i}.jpg", JPEG) for i in range(FACES + 1)], field="files", detect="false")
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_faces", r.text  # known before any decode
+    assert metric(httpx.get(f"{url}/metrics", timeout=10).text, "vitserve_decode_seconds_count") == decoded + 1
+    r = post(url, "/expression", [(f"{i}.jpg", JPEG) for i in range(FACES)], field="files", detect="false")
+    assert r.status_code == 200 and len(r.json()["results"]) == FACES, r.text
+    serves(url)
+
+
+@pytest.mark.parametrize("parameter, value", [
+    ("timeout", 10**309), ("timeout", 2**64), ("timeout", 0), ("timeout", -1), ("timeout", 1.5), ("timeout", 1e308),
+    ("timeout", True), ("timeout", "100"), ("timeout", [1]), ("priority", 101), ("priority", -1), ("priority", 2**70),
+    ("priority", False), ("priority", "1"), ("priority", 1.0)])
+def test_v2_timeout_and_priority_past_their_range_or_of_another_json_type_are_400s_naming_them(url, parameter, value):
+    body = json.dumps({"inputs": [{"name": "images", "shape": [1, 96, 96, 3], "datatype": "UINT8",
+                                   "data": [128] * (96 * 96 * 3)}], "parameters": {parameter: value}})
+    r = httpx.post(url + INFER, content=body, headers=KEY, timeout=30)
+    assert r.status_code == 400 and f"parameters.{parameter}" in r.json()["error"], r.text
+    within = json.loads(body)
+    within["parameters"] = {"timeout": 2**64 - 1, "priority": 0}
+    assert httpx.post(url + INFER, json=within, headers=KEY, timeout=30).status_code == 200

@@ -189,6 +189,32 @@ def model_infer(channel: grpc.aio.Channel):
                                pb.ModelInferResponse.FromString)
 
 
+def test_timeout_and_priority_parameters_past_their_range_or_of_another_type_are_invalid_arguments(served):
+    """Whatever type of InferParameter carries them (a bool_param too, which Python's isinstance takes for an int)."""
+    x = images(1)
+    given = [("timeout", "bool_param", True), ("timeout", "int64_param", 0), ("timeout", "int64_param", -5),
+             ("timeout", "string_param", "100"), ("priority", "bool_param", True), ("priority", "int64_param", 101),
+             ("priority", "int64_param", 2**63 - 1), ("priority", "string_param", "1")]
+
+    async def calls() -> list:
+        async with grpc.aio.insecure_channel(served[1]) as channel:
+            answers = []
+            for name, kind, value in [*given, ("timeout", "int64_param", 2**63 - 1)]:  # the last within range
+                call = request(x)
+                setattr(call.parameters[name], kind, value)
+                try:
+                    answers.append(await model_infer(channel)(call, metadata=tuple(KEY.items())))
+                except grpc.aio.AioRpcError as e:
+                    answers.append(e)
+            return answers
+
+    *refused, within = asyncio.run(calls())
+    for (name, kind, _), answer in zip(given, refused):
+        assert isinstance(answer, grpc.aio.AioRpcError), (name, kind)
+        assert answer.code() == grpc.StatusCode.INVALID_ARGUMENT and name in answer.details(), (name, kind, answer)
+    assert isinstance(within, pb.ModelInferResponse)
+
+
 async def flood(target: str, calls: int, x: np.ndarray) -> list:
     """`calls` ModelInfer calls at once on one channel; each one's response or its error."""
     async with grpc.aio.insecure_channel(target) as channel:

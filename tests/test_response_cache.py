@@ -48,6 +48,16 @@ def classify(url: str, *uploads: bytes, top_k: int = 3) -> list[dict]:
     return response.json()["results"]
 
 
+def answers(url: str, uploads: list[bytes]) -> tuple[int, list]:
+    """A request's status, and each file's answer (its labels and scores, or its error's code) or the request's error
+    code."""
+    r = httpx.post(f"{url}/classify", params={"model": "shapes-vit"}, timeout=60,
+                   files=[("files", (f"{i}.img", data)) for i, data in enumerate(uploads)])
+    if r.status_code != 200:
+        return r.status_code, [r.json()["error"]["code"]]
+    return 200, [result.get("predictions") or result["error"]["code"] for result in r.json()["results"]]
+
+
 def counts(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     stats = httpx.get(f"{url}/v2/models/shapes-vit/stats", timeout=30).json()["model_stats"][0]["inference_stats"]
@@ -80,6 +90,13 @@ def test_a_repeated_image_is_answered_without_a_decode_or_a_batch_until_anything
         assert padded["batch_size"] >= 1 and padded["predictions"] == first["predictions"]
         assert other_k["batch_size"] >= 1 and other_k["predictions"] == first["predictions"][:2]
         assert (counts(url)["hits"], counts(url)["misses"]) == (3, 4)
+        # files that cannot be read beside photos: each request answered first with none of it cached (as with the
+        # cache off) and again with its photos cached, the same status and the same answers either way
+        coffee, cut = photo_bytes("coffee", "JPEG"), JPEG[:len(JPEG) // 3]
+        for album in ([coffee, cut], [coffee, coffee, b""], [photo_bytes("rocket", "JPEG"), cut, b""], [cut, b""]):
+            uncached, cached = answers(url, album), answers(url, album)
+            assert cached == uncached, (cached, uncached)
+        assert answers(url, [coffee, cut])[0] == 200 and answers(url, [cut, b""])[0] in (400, 415)
         # the model reloads with other weights (its int8 graph): the answer is the new one's, never the cached
         write_model(tmp_path / "shapes-vit", REPO / "shapes-vit-int8", "shapes-vit")
         assert httpx.post(f"{url}/v2/repository/models/shapes-vit/load", timeout=120).status_code == 200

@@ -32,6 +32,7 @@ from models.data import preprocess as training_preprocess
 from repository import InputPolicy, ModelEntry, read_entry
 from service.backends.board import Boards
 from service.batching import Batcher, QueueFull
+from service.avif_header import largest_frame
 from service.cache import AttentionCache, AttentionRecord
 from service.decode import decode, decode_size, model_input, resize_and_crop, upload_input
 from service.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
@@ -124,6 +125,37 @@ def test_an_iphone_heic_decodes_upright_once_and_its_pixels_are_counted_from_its
     assert photo.size == photo.image.size == (451, 300)  # turned by libheif, and not once more by its EXIF
     assert np.abs(np.asarray(photo.image, np.int16) - photos.chelsea()).mean() < 3  # HEVC at quality 60
     np.testing.assert_array_equal(upload_input(heic, POLICY, 10**8), model_input(photo.image, POLICY))
+
+
+def avif(frames: list[Image.Image], **options) -> bytes:
+    buf = io.BytesIO()
+    frames[0].save(buf, "AVIF", save_all=len(frames) > 1, append_images=frames[1:], speed=10, **options)
+    return buf.getvalue()
+
+
+def test_an_avifs_largest_frame_is_read_from_its_av1_data_and_a_damaged_one_is_a_value_error():
+    """Stills carry a reduced sequence header, their size exactly; a sequence's first frame may be any size its
+    frame headers can code (2^bits a side). Mutated and cut files raise ValueError and nothing else."""
+    rgba = np.zeros((300, 200, 4), np.uint8)
+    rgba[..., 3] = 128
+    files = {"still": (avif([Image.new("RGB", (333, 517), "grey")]), (333, 517)),
+             "4:4:4": (avif([Image.new("RGB", (4001, 3), "grey")], subsampling="4:4:4"), (4001, 3)),
+             "alpha": (avif([Image.fromarray(rgba)]), (200, 300)),
+             "sequence": (avif([Image.new("RGB", (200, 120), (40 * i, 0, 0)) for i in range(3)]), (256, 128))}
+    for name, (data, size) in files.items():
+        assert largest_frame(data) == size, name
+    assert largest_frame((Path(__file__).parent / "reference" / "flat_12000.avif").read_bytes()) == (12000, 12000)
+    rng = random.Random(0)
+    for _ in range(3000):
+        damaged = bytearray(rng.choice([data for data, _ in files.values()]))
+        for _ in range(rng.randint(1, 4)):
+            damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        try:
+            largest_frame(bytes(damaged[:rng.randrange(len(damaged))] if rng.random() < 0.2 else damaged))
+        except ValueError:
+            pass
+    with pytest.raises(ValueError, match="no AV1"):  # a HEIF whose image is HEVC
+        largest_frame((Path(__file__).parent / "reference" / "chelsea_iphone.heic").read_bytes())
 
 
 def test_a_damaged_exif_directory_still_decodes_upright():

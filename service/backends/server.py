@@ -333,3 +333,4 @@ def main(settings: Settings, socket_path: Path, log_level: str) -> None:
         await InferenceServer(settings, socket_path).serve(stop)
 
     asyncio.run(run())
+    tracing.shut_down()

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from ..errors import BadInput
 from ..faces import DetectorSettings, Faces
-from ..pipeline import IMAGE_ERRORS, Pipeline, Pipelines
+from ..pipeline import IMAGE_ERRORS, FaceBudget, FoundFaces, Pipeline, Pipelines
 from ..schemas import ExpressionResponse, ExpressionResults
 from ..urgency import PRIORITY, TIMEOUT_MS, set_urgency
 from .responses import json_response
@@ -54,26 +54,47 @@ async def expression(
                        "one_image")
     detector = DetectorSettings(settings.face_min_size, max_faces or settings.face_max, settings.face_detect_side)
     pipeline = pipelines.get(model, task="expression")  # routed once the body is in (Pipelines.get)
+    budget = FaceBudget(min(settings.face_request_max, settings.queue_limit))
+    if not detect:  # each photo is one face: known before any work
+        budget.take(len(uploads))
+        budget.check()
     if fields == ["file"]:
-        photo = await faces_of(pipeline, uploads[0][2], detect, detector, attention, start)
-        return json_response({"model": pipeline.name, **photo})
-    # several photos, each its own detection and its own faces' batch (which the batcher merges with the others')
-    answers = await asyncio.gather(*(faces_of(pipeline, data, detect, detector, attention, start)
-                                     for _, _, data in uploads), return_exceptions=True)
-    failed = [a for a in answers if isinstance(a, BaseException) and not isinstance(a, IMAGE_ERRORS)]
-    if failed:
-        raise failed[0]
-    if all(isinstance(a, BaseException) for a in answers):
-        raise answers[0]  # none could be read: the request's error
+        found = await pipeline.find_faces(uploads[0][2], detect, detector, budget)
+        budget.check()
+        return json_response({"model": pipeline.name, **await faces_of(pipeline, found, attention, start)})
+    # several photos: every one's faces found first (detection stops once the request's budget is spent, a 413
+    # before any batch), then each photo's faces in a batch of their own (which the batcher merges with the others')
+    found = await asyncio.gather(*(pipeline.find_faces(data, detect, detector, budget) for _, _, data in uploads),
+                                 return_exceptions=True)
+    budget.check()
+    raise_for_request(found)
+
+    async def answer(photo: FoundFaces | BaseException) -> dict:
+        if isinstance(photo, BaseException):
+            raise photo
+        return await faces_of(pipeline, photo, attention, start)
+
+    answers = await asyncio.gather(*map(answer, found), return_exceptions=True)
+    raise_for_request(answers)
     results = [{"filename": filename, "error": {"code": a.code, "message": a.message}} if isinstance(a, Exception)
                else {"filename": filename, **a} for (_, filename, _), a in zip(uploads, answers)]
     return json_response({"model": pipeline.name, "results": results})
 
 
-async def faces_of(pipeline: Pipeline, data: bytes, detect: bool, detector: DetectorSettings, attention: bool,
-                   start: float) -> dict:
+def raise_for_request(answers: list) -> None:
+    """The request's error, where a photo failed otherwise than by its own file (the deadline, overload), or where
+    none could be read."""
+    failed = [a for a in answers if isinstance(a, BaseException) and not isinstance(a, IMAGE_ERRORS)]
+    if failed:
+        raise failed[0]
+    if all(isinstance(a, BaseException) for a in answers):
+        raise answers[0]
+
+
+async def faces_of(pipeline: Pipeline, photo: FoundFaces, attention: bool, start: float) -> dict:
     """One photo's answer: its size, its faces with their expressions, and the timings."""
-    size, found, found_ms, out = await pipeline.faces(data, detect, detector, keep=attention)
+    out = await pipeline.run_faces(photo, keep=attention)
+    size, found = photo.size, photo.found
     labels, f, faces = pipeline.entry.labels, out.fields, []
     for i, (probs, batch) in enumerate(zip(f.get("probs", []), f.get("batch_size", []))):
         key = await pipeline.keep(out, i) if attention else None
@@ -84,7 +105,7 @@ async def faces_of(pipeline: Pipeline, data: bytes, detect: bool, detector: Dete
                       "expression": labels[best], "score": float(probs[best]),
                       "probabilities": dict(zip(labels, probs.tolist())), "batch_size": int(batch),
                       "attention_map_url": f"/attention-map?id={key}" if key else None})
-    timings = {"decode_detect_ms": found_ms, "queue_ms": float(f["queue_ms"].max()) if faces else 0.0,
+    timings = {"decode_detect_ms": photo.found_ms, "queue_ms": float(f["queue_ms"].max()) if faces else 0.0,
                "inference_ms": float(f["inference_ms"].max()) if faces else 0.0,
                "total_ms": (time.perf_counter() - start) * 1e3}
     return {"image_size": list(size), "faces": faces, "timings_ms": timings}

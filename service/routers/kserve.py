@@ -27,7 +27,7 @@ from ..pipeline import Pipeline, Pipelines
 from ..shared_memory import Slice
 from ..statistics import current_statistics
 from ..thread_names import name_pool_thread
-from ..urgency import PRIORITY, set_urgency
+from ..urgency import PRIORITY, TIMEOUT_US_MAX, set_urgency
 from .shared_memory import client_host
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
@@ -80,10 +80,11 @@ class RequestOutput(BaseModel):
 
 class RequestParameters(BaseModel):
     binary_data_output: bool = False
-    timeout: int | None = Field(None, ge=1, description="the client's deadline in µs, as Triton reads it: a request "
-                                                         "still unanswered then is dropped before its batch and "
-                                                         "answered 504")
-    priority: int | None = Field(None, ge=0, le=100, description=PRIORITY)
+    # whole numbers as JSON writes them (strict: no true, "12" or 1.0, which Triton refuses too)
+    timeout: int | None = Field(None, ge=1, le=TIMEOUT_US_MAX, strict=True,
+                                description="the client's deadline in µs, as Triton reads it: a request still "
+                                            "unanswered then is dropped before its batch and answered 504")
+    priority: int | None = Field(None, ge=0, le=100, strict=True, description=PRIORITY)
 
 
 class InferenceRequest(BaseModel):
