@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from bench.export_speed import fp16_graph  # noqa: E402
 from export.fusion import REWRITES  # noqa: E402
 from repository import graph_inputs  # noqa: E402
-from service.runtime import CUDA  # noqa: E402
+from service.engine.runtime import CUDA  # noqa: E402
 
 
 def printed_by(call) -> str:

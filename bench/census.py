@@ -1,7 +1,7 @@
 """Where a host's CPU goes while the service is under load: every thread of the given processes, from
 /proc/PID/task/TID/stat and status before and after a window, ranked by CPU seconds, with its process's role (the
 process name: vitserve-http, vitserve-infer, wrk) and its own name (the service names its threads by job:
-service/thread_names.py); and the host's own figures over the window from /proc/stat and /proc/interrupts (steal,
+service/core/thread_names.py); and the host's own figures over the window from /proc/stat and /proc/interrupts (steal,
 iowait, softirq, context switches, interrupts, TLB shootdowns).
 
     python bench/census.py PID [PID ...] --seconds 5      # those processes and their children, now

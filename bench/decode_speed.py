@@ -1,5 +1,5 @@
 """What an upload costs the service on one core before inference: the JPEG decode, then the crop's resample, the
-service's (OpenCV's bilinear warp: service/decode.py model_input) against Pillow's bicubic (resize_and_crop, the
+service's (OpenCV's bilinear warp: service/images/decode.py model_input) against Pillow's bicubic (resize_and_crop, the
 reference and the service's path until 2026-11-27), and the service's whole path (upload_input: JPEGs decoded by
 simplejpeg straight into numpy since 2026-11-27, the same pixels) against the two before it; and the whole path
 of a Hugging Face folder's policy ("HF": resized to exactly size x size with Pillow's bicubic from a full-size decode,
@@ -11,7 +11,7 @@ as its image processor does: docs/export.md#from-hugging-face).
 The images: scikit-image's chelsea as it is (451 x 300, the GPU check's photo) and its astronaut resized to larger
 photo sizes, each saved as JPEG (quality 90) and PNG. Each round runs decode, both resamples of the decoded photo
 and the three whole paths once, in a shuffled order, in this process pinned to one core; medians over rounds.
-Last, the JPEG's header read, Pillow's against service.jpeg_header's, without EXIF and with a camera's.
+Last, the JPEG's header read, Pillow's against service.images.jpeg_header's, without EXIF and with a camera's.
 """
 import argparse
 import io
@@ -28,8 +28,8 @@ from skimage import data as photos
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from repository import InputPolicy  # noqa: E402
-from service.decode import decode, model_input, resize_and_crop, upload_input  # noqa: E402
-from service.jpeg_header import jpeg_header  # noqa: E402
+from service.images.decode import decode, model_input, resize_and_crop, upload_input  # noqa: E402
+from service.images.jpeg_header import jpeg_header  # noqa: E402
 
 SIZES = [(800, 600), (1600, 1200), (4032, 3024)]
 

@@ -1,4 +1,4 @@
-"""Face detection: MTCNN (the service's detector, service/faces.py) against OpenCV's Haar cascade, the detector it
+"""Face detection: MTCNN (the service's detector, service/pipeline/faces.py) against OpenCV's Haar cascade, the detector it
 replaced, on the same real-photograph scenes (tests/face_scenes.py):
 
   - the astronaut: the box's IoU with Haar's, and whether the landmarks lie inside it;
@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from face_scenes import ASTRONAUT_FACE, found, group_photo, lfw_scenes  # noqa: E402
 
 from repository import face_detector  # noqa: E402
-from service.faces import DetectorSettings, FaceDetector  # noqa: E402
-from service.runtime import CPU  # noqa: E402
+from service.pipeline.faces import DetectorSettings, FaceDetector  # noqa: E402
+from service.engine.runtime import CPU  # noqa: E402
 
 SETTINGS = DetectorSettings(min_size=32, max_faces=100, max_side=1024)  # the service's defaults
 

@@ -52,9 +52,9 @@ from bench.jpegs import MIXED, jpeg, phone_photo  # noqa: E402
 from bench.weightless import refill_all  # noqa: E402
 from export.fusion import REWRITES  # noqa: E402
 from repository import InputPolicy, read_entry  # noqa: E402
-from service.decode import decode, model_input, upload_input  # noqa: E402
+from service.images.decode import decode, model_input, upload_input  # noqa: E402
 from service.loadtest import classify_requests, run_level_processes, v2_requests  # noqa: E402
-from service.runtime import CPU, CUDA, Runner, choose_device, pinned_empty  # noqa: E402
+from service.engine.runtime import CPU, CUDA, Runner, choose_device, pinned_empty  # noqa: E402
 
 CUDA_GRAPH_MAX_BATCH = 8  # a CUDA graph saves kernel launches, which only small batches notice
 # the CUDA provider's `sdpa_kernel` option: which attention kernel ORT must use (0, its default, picks one)
@@ -366,7 +366,7 @@ def cpu_input(data: bytes, policy: InputPolicy) -> np.ndarray:
 
 def gpu_decoder(policy: InputPolicy):
     try:
-        from service.gpu_decode import GpuDecoder
+        from service.images.gpu_decode import GpuDecoder
         return GpuDecoder(policy, max_batch=64)
     except (ImportError, RuntimeError) as e:
         skipped.append(f"nvImageCodec decoding: {e}")

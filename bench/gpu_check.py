@@ -66,7 +66,7 @@ from service_process import model_pixels, photo_bytes, running_service  # noqa: 
 from weightless import refill_all, strip_all  # noqa: E402
 
 from repository import read_entry  # noqa: E402
-from service.runtime import CUDA, choose_device  # noqa: E402
+from service.engine.runtime import CUDA, choose_device  # noqa: E402
 
 MODEL = "deit_tiny_patch16_224"
 # the graphs part on CUDA: the models of issue 40's targets (on the CPU, MODEL alone: batch 256 of ViT-B/16 takes

@@ -20,10 +20,10 @@ import wrk  # noqa: E402
 from service_process import photo_bytes, service_and_process  # noqa: E402
 
 from repository import read_entry  # noqa: E402
-from service.backends.lifecycle import input_names  # noqa: E402
-from service.decode import upload_input  # noqa: E402
-from service.runtime import CPU, Runner  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from service.engine.backends.lifecycle import input_names  # noqa: E402
+from service.images.decode import upload_input  # noqa: E402
+from service.engine.runtime import CPU, Runner  # noqa: E402
+from service.core.settings import Settings  # noqa: E402
 
 
 def direct_ms(runner: Runner, policy, jpeg: bytes, max_pixels: int, runs: int = 300) -> float:

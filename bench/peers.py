@@ -23,7 +23,7 @@ triton:   Triton Inference Server through PyTriton (bench/peers/triton_server.py
           3.11 (a model load error, "_thread.RLock has no attribute _recursion_count").
 
 The graph is model_repository/shapes-deit/model.onnx, fed uint8 `images` and an empty float `pixel_values`; every
-peer preprocesses with vitserve's own functions (service.decode.upload_input, imported from this checkout:
+peer preprocesses with vitserve's own functions (service.images.decode.upload_input, imported from this checkout:
 bench/peers/common.py). Peer sessions keep ONNX Runtime's defaults (a thread per core, spinning between runs), as
 their authors would open them; vitserve runs with its own. All servers stay up for the whole run, one at a time
 under load; the others are paused meanwhile (SIGSTOP, SIGCONT for their turn), since not every server is quiet when
@@ -64,13 +64,13 @@ import wrk  # noqa: E402
 from service_process import free_port, photo_bytes  # noqa: E402
 
 from repository import read_entry  # noqa: E402
-from service.decode import upload_input  # noqa: E402
+from service.images.decode import upload_input  # noqa: E402
 
 MODEL = "shapes-deit"
 SERVERS = ROOT / "bench" / "peers"
 BUILD = ROOT / "build" / "peers"
 ROUTES = ("JPEG", "tensor", "gRPC")
-# the same onnxruntime and image libraries as vitserve runs with (service/decode.py's, which every peer imports:
+# the same onnxruntime and image libraries as vitserve runs with (service/images/decode.py's, which every peer imports:
 # bench/peers/common.py): the graph's kernels and the JPEG decoder are not what differs
 SHARED = [f"{name}=={version(name)}" for name in ("onnxruntime", "pillow", "opencv-python-headless", "simplejpeg",
                                                   "pi-heif")] + ["jsonschema"]

@@ -1,4 +1,4 @@
-"""The service's fast preprocessing (service/decode.py model_input: OpenCV's bilinear warp of the crop) against
+"""The service's fast preprocessing (service/images/decode.py model_input: OpenCV's bilinear warp of the crop) against
 the reference one (resize_and_crop: Pillow's filter of the policy, what the models were trained with): the pixels,
 and the embedded models' top-1 agreement on their held-out images.
 
@@ -21,7 +21,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from repository import graph_inputs, read_entry  # noqa: E402
-from service.decode import decode, model_input, resize_and_crop  # noqa: E402
+from service.images.decode import decode, model_input, resize_and_crop  # noqa: E402
 
 DATA = {"shapes-vit": "shapes", "shapes-deit": "shapes", "shapes-swin": "shapes", "expression-vit": "faces"}
 

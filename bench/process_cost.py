@@ -46,8 +46,8 @@ from service_overhead import decode_cpu_ms, null_repo  # noqa: E402
 from service_process import free_port, model_pixels, photo_bytes, running_service  # noqa: E402
 
 from repository import read_entry  # noqa: E402
-from service.backends.process import ProcessBackend  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from service.engine.backends.process import ProcessBackend  # noqa: E402
+from service.core.settings import Settings  # noqa: E402
 from service.supervisor import ROLES, inference_main  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")

@@ -41,10 +41,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from service_process import metric, model_pixels, photo_bytes, process_metrics, running_service  # noqa: E402
 
 from repository import InputPolicy, sha256  # noqa: E402
-from service.decode import upload_input  # noqa: E402
+from service.images.decode import upload_input  # noqa: E402
 from service.loadtest import Send, classify_requests, run_level, v2_requests  # noqa: E402
-from service.runtime import CPU, Runner  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from service.engine.runtime import CPU, Runner  # noqa: E402
+from service.core.settings import Settings  # noqa: E402
 
 MAX_BATCH = 16
 

@@ -11,11 +11,10 @@ from multiprocessing import get_context
 import uvicorn
 
 from repository import RepositoryError, servable
-
-from .backends.device_health import BROKEN_EXIT_STATUS
-from .http_server import server_options
-from .runtime import CUDA, choose_device
-from .settings import Settings
+from service.core.settings import Settings
+from service.engine.backends.device_health import BROKEN_EXIT_STATUS
+from service.engine.runtime import CUDA, choose_device
+from service.http.server import server_options
 
 log = logging.getLogger("vitserve")
 
@@ -45,12 +44,12 @@ def main(argv: list[str] | None = None) -> None:
             backend = "process" if probe_device(settings) == CUDA else "thread"
             log.info("backend: %s", backend)
         if backend == "process":
-            from .supervisor import serve
+            from service.supervisor import serve
             servable(settings.model_repository)  # a broken repository fails before any process starts
             sys.exit(serve(settings, args.log_level))
-        from .app import create_app
-        from .backends.local import LocalBackend
-        from .metrics import Metrics
+        from service.core.metrics import Metrics
+        from service.engine.backends.local import LocalBackend
+        from service.http.app import create_app
         # a device that fails every batch: the server drains (as on SIGTERM) and exits BROKEN_EXIT_STATUS, for
         # the orchestrator to start another process
         metrics = Metrics()

@@ -153,7 +153,7 @@ def grpc_requests(model: str, name: str, x: np.ndarray) -> Send:
     answer is left serialised too: the client's CPU goes to the calls); every output comes back."""
     import grpc
 
-    from .protocol import open_inference_pb2 as pb
+    from service.protocol import open_inference_pb2 as pb
     body = pb.ModelInferRequest(model_name=model, inputs=[pb.ModelInferRequest.InferInputTensor(
         name=name, datatype=DATATYPES[x.dtype], shape=x.shape)], raw_input_contents=[x.tobytes()]).SerializeToString()
     calls = {}  # the method's callable on each channel: made once, not per request

@@ -28,8 +28,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 
-from .app import create_app
-from .settings import Settings
+from service.core.settings import Settings
+from service.http.app import create_app
 
 NAME = "vitserve"  # of the Ray Serve application and of its one deployment
 

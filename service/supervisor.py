@@ -5,7 +5,7 @@ process's socket and heartbeat, prometheus-client's multiprocess files), starts 
 port (one listening socket per worker on Linux, which spreads connections over them; elsewhere one that all share)
 and starts the workers. A worker that dies is replaced. So is the inference process, in place, after a backoff:
 when it dies (an out-of-memory kill, a segfault in a provider), when it exits because its device failed every
-batch (a CUDA error that poisons its context: backends/device_health.py), and when its heartbeat says it has
+batch (a CUDA error that poisons its context: engine/backends/device_health.py), and when its heartbeat says it has
 made no progress for VITSERVE_INFERENCE_KILL_AFTER_S (a wedged kernel, a deadlock), when it is killed first. The
 workers stay up meanwhile, answer 503 (`inference_restarting`) and join the new one. The crash number
 VITSERVE_INFERENCE_MAX_CRASHES within VITSERVE_INFERENCE_CRASH_WINDOW_S stops the service instead, with exit status
@@ -29,15 +29,15 @@ import uvicorn
 from prometheus_client import multiprocess
 from prometheus_client import values as prometheus_values
 
-from .app import create_app
-from .backends import server
-from .backends.device_health import BROKEN_EXIT_STATUS
-from .backends.heartbeat import HEARTBEAT, Heartbeat
-from .backends.process import ProcessBackend
-from .http_server import server_options
-from .metrics import Metrics
-from .settings import Settings
-from .thread_names import name_thread
+from service.core.metrics import Metrics
+from service.core.settings import Settings
+from service.core.thread_names import name_thread
+from service.engine.backends import inference_process
+from service.engine.backends.device_health import BROKEN_EXIT_STATUS
+from service.engine.backends.heartbeat import HEARTBEAT, Heartbeat
+from service.engine.backends.process import ProcessBackend
+from service.http.app import create_app
+from service.http.server import server_options
 
 log = logging.getLogger("vitserve")
 
@@ -76,7 +76,7 @@ def listeners(host: str, port: int, workers: int) -> list[socket.socket]:
 def inference_main(settings: Settings, socket_path: Path, log_level: str) -> None:
     """The inference process (multiprocessing, spawn)."""
     name_thread(ROLES[0])
-    server.main(settings, socket_path, log_level)
+    inference_process.main(settings, socket_path, log_level)
 
 
 def worker_main(settings: Settings, sock: socket.socket, socket_path: Path, log_level: str) -> None:

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from skimage import data as photos
 
 from repository import InputPolicy, graph_inputs
-from service.decode import upload_input
+from service.images.decode import upload_input
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # (bench/ is no package: bench scripts import this file too)

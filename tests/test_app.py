@@ -13,13 +13,13 @@ from fastapi.routing import iter_route_contexts
 from service_process import ROOT, direct_probabilities, metric, photo_bytes
 
 from repository import RepositoryError, servable
-from service.app import create_app
-from service.backends import Lease, ModelStatus
-from service.backends.local import LocalBackend
-from service.errors import overloaded
-from service.metrics import Metrics
-from service.records import record_dtype
-from service.settings import Settings
+from service.http.app import create_app
+from service.engine.backends import Lease, ModelStatus
+from service.engine.backends.local import LocalBackend
+from service.core.errors import overloaded
+from service.core.metrics import Metrics
+from service.engine.records import record_dtype
+from service.core.settings import Settings
 
 REPO = ROOT / "model_repository"
 JPEG = photo_bytes("chelsea", "JPEG")
@@ -239,7 +239,7 @@ def test_every_get_route_answers_head_with_the_gets_status_and_headers_and_no_bo
 def test_large_v2_json_is_parsed_off_the_event_loop_and_answers_as_small_json(monkeypatch):
     """A JSON body past INLINE_JSON_BYTES is parsed in the v2-json thread, where it holds the GIL in slices (on the
     event loop a 16 MB one held every other client for ~0.3 s): the same answers as one parsed inline."""
-    from service.routers import kserve
+    from service.http.routes import kserve
 
     threads, parse = [], kserve.parse_request
 

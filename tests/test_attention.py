@@ -17,7 +17,7 @@ from models.data import normalise as torch_normalise
 from models.synthetic import sample_rng
 from models.synthetic.shapes import render_shape
 from repository import graph_inputs
-from service.attention import colormap, last_layer_grid, normalise, rollout_grid
+from service.explain.maps import colormap, last_layer_grid, normalise, rollout_grid
 
 REPO, DEMO = ROOT / "model_repository", ROOT / "models" / "demo"
 SHAPES = {"shapes-vit": "vit_micro_patch8_96", "shapes-deit": "deit_micro_distilled_patch8_96",

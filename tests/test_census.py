@@ -1,5 +1,5 @@
 """The per-thread CPU census of the GPU check (bench/census.py) on the service as it runs here: every thread of the
-process backend read by its process's role and its own job, as the service names them (service/thread_names.py),
+process backend read by its process's role and its own job, as the service names them (service/core/thread_names.py),
 and the service at rest."""
 import http.client
 import socket
@@ -13,9 +13,9 @@ from service_process import ROOT, connections_to_every_worker, photo_bytes, serv
 sys.path.insert(0, str(ROOT / "bench"))
 import census  # noqa: E402
 
-from service.settings import Settings  # noqa: E402
+from service.core.settings import Settings  # noqa: E402
 from service.supervisor import worker_decode_threads  # noqa: E402
-from service.thread_names import name_thread, named, thread_name  # noqa: E402
+from service.core.thread_names import name_thread, named, thread_name  # noqa: E402
 
 
 def test_a_thread_is_named_for_its_job_and_what_a_library_starts_in_a_block_takes_the_blocks_name():

@@ -84,7 +84,7 @@ def test_the_cpu_image_is_small_numeric_non_root_and_carries_plain_onnxruntime_w
     assert "/health/ready" in " ".join(config["Healthcheck"]["Test"])  # kept: built --format docker
     packages = installed(cpu_image)
     assert "onnxruntime" in packages and "onnxruntime-gpu" not in packages and "torch" not in packages
-    # OpenCV samples the model's crop (service/decode.py), its headless build: no GUI libraries in the image
+    # OpenCV samples the model's crop (service/images/decode.py), its headless build: no GUI libraries in the image
     assert {name for name in packages if name.startswith("opencv")} == {"opencv-python-headless"}
     pins = dict(line.split("==") for line in (ROOT / "requirements.lock").read_text().splitlines()[1:])
     seeded = {"pip", "setuptools"}  # by the base's venv, not by the lock
@@ -157,7 +157,7 @@ def test_the_gpu_image_carries_onnxruntime_gpu_with_cuda_and_cudnn_and_finds_the
         assert library in libraries.split(), libraries
     # no GPU here: the service still starts, says CUDA is not usable (and nothing raw from ORT), serves on the CPU
     device = podman("run", "--rm", tag, "python", "-c", "import logging; logging.basicConfig(level=logging.INFO); "
-                    "from pathlib import Path; from repository import servable; from service.runtime import "
+                    "from pathlib import Path; from repository import servable; from service.engine.runtime import "
                     "choose_device; print(choose_device(servable(Path('model_repository'))[0], None))", timeout=120)
     assert device.returncode == 0 and device.stdout.strip() == "CPUExecutionProvider", device.stderr
     assert "CUDA is not usable on this host" in device.stderr

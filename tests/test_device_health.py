@@ -11,14 +11,14 @@ import pytest
 from fault_graphs import fragile
 from service_process import ROOT, model_pixels, photo_bytes
 
-from service.app import create_app
-from service.backends import Lease, device_health
-from service.backends.device_health import DeviceHealth, run_isolating
-from service.backends.local import LocalBackend
-from service.metrics import Metrics
-from service.records import record_dtype
-from service.runtime import Runner
-from service.settings import Settings
+from service.http.app import create_app
+from service.engine.backends import Lease, device_health
+from service.engine.backends.device_health import DeviceHealth, run_isolating
+from service.engine.backends.local import LocalBackend
+from service.core.metrics import Metrics
+from service.engine.records import record_dtype
+from service.engine.runtime import Runner
+from service.core.settings import Settings
 
 SOURCE = ROOT / "model_repository" / "shapes-vit"
 DARK, BRIGHT = photo_bytes("coffee", "JPEG"), photo_bytes("astronaut", "JPEG")  # top-left pixel 40 / 168 as input

@@ -13,12 +13,12 @@ import pytest
 import tritonclient.http as triton
 from service_process import ROOT, direct_probabilities, model_pixels, photo_bytes, run_graph, running_service
 
-from service import runtime
-from service.attention import last_layer_grid, rollout_grid
-from service.backends.local import LocalBackend
-from service.metrics import Metrics
-from service.runtime import CPU, Runner
-from service.settings import Settings
+from service.engine import runtime
+from service.explain.maps import last_layer_grid, rollout_grid
+from service.engine.backends.local import LocalBackend
+from service.core.metrics import Metrics
+from service.engine.runtime import CPU, Runner
+from service.core.settings import Settings
 
 REPO = ROOT / "model_repository"
 GRAPHS = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("*/*.onnx") if p.parent.name != "mtcnn")

@@ -263,7 +263,7 @@ def curl_request(argv: tuple[str, ...]) -> tuple[str, list[str]]:
 
 @functools.cache
 def app_routes() -> list:
-    from service.app import create_app  # reads the repository; the sessions open only at start-up
+    from service.http.app import create_app  # reads the repository; the sessions open only at start-up
     return create_app().router.routes
 
 
@@ -337,7 +337,7 @@ def test_the_readme_stays_short():
 
 
 def test_every_setting_is_in_the_settings_table():
-    from service.settings import Settings
+    from service.core.settings import Settings
     table = (ROOT / "docs" / "serving.md").read_text().partition("\n## Settings\n")[2].split("\n## ")[0]
     missing = [f"VITSERVE_{name.upper()}" for name in Settings.model_fields if f"VITSERVE_{name.upper()}`" not in table]
-    assert not missing, f"docs/serving.md#settings lacks {', '.join(missing)} (service/settings.py)"
+    assert not missing, f"docs/serving.md#settings lacks {', '.join(missing)} (service/core/settings.py)"

@@ -1,4 +1,4 @@
-"""Face detection and alignment (service/faces.py) over the embedded repository's MTCNN: its pieces on known
+"""Face detection and alignment (service/pipeline/faces.py) over the embedded repository's MTCNN: its pieces on known
 geometry, and the detector on scenes of real faces (tests/face_scenes.py)."""
 import numpy as np
 import pytest
@@ -8,8 +8,8 @@ from service_process import ROOT
 from skimage import data as photos
 
 from repository import face_detector, scan, servable
-from service.faces import TEMPLATE, DetectorSettings, FaceDetector, align, crops, nms, similarity
-from service.runtime import CPU
+from service.pipeline.faces import TEMPLATE, DetectorSettings, FaceDetector, align, crops, nms, similarity
+from service.engine.runtime import CPU
 
 REPO = ROOT / "model_repository"
 SETTINGS = DetectorSettings(min_size=32, max_faces=20, max_side=1024)

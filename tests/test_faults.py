@@ -22,7 +22,7 @@ from service_process import (ROOT, direct_probabilities, leave_mid_request, metr
                              role_pids, running_service, service_and_process)
 
 from repository import sha256
-from service.backends.heartbeat import HEARTBEAT, Heartbeat
+from service.engine.backends.heartbeat import HEARTBEAT, Heartbeat
 from service.supervisor import Crashes
 
 JPEG = photo_bytes("chelsea", "JPEG")

@@ -11,7 +11,7 @@ import pytest
 from service_process import ROOT, photo_bytes, running_service
 
 from export.__main__ import main as export_main
-from service.runtime import CPU, CUDA, Runner, open_session
+from service.engine.runtime import CPU, CUDA, Runner, open_session
 
 REPO = ROOT / "model_repository"
 
@@ -124,7 +124,7 @@ def test_jpegs_decoded_on_the_gpu_answer_as_pillow_decoded_ones():
     pytest.importorskip("cupy", reason="GPU decoding needs CuPy (the `gpu` extra)")
     pytest.importorskip("nvidia.nvimgcodec", reason="GPU decoding needs nvImageCodec (the `gpu` extra)")
     from repository import read_entry
-    from service.gpu_decode import GpuDecoder
+    from service.images.gpu_decode import GpuDecoder
     from service_process import model_pixels
 
     entry = read_entry(REPO / "shapes-vit")
@@ -159,8 +159,8 @@ def test_awkward_jpegs_on_the_gpu_come_out_as_the_cpu_path_makes_them_and_a_cut_
     pytest.importorskip("cupy", reason="GPU decoding needs CuPy (the `gpu` extra)")
     pytest.importorskip("nvidia.nvimgcodec", reason="GPU decoding needs nvImageCodec (the `gpu` extra)")
     from repository import read_entry
-    from service.decode import upload_input
-    from service.gpu_decode import GpuDecoder
+    from service.images.decode import upload_input
+    from service.images.gpu_decode import GpuDecoder
     from service_process import awkward_jpegs, model_pixels
 
     policy = read_entry(REPO / "shapes-vit").policy
@@ -241,10 +241,10 @@ def poison_and_serve(repo: str) -> dict:
 
     import cupy
 
-    from service.app import create_app
-    from service.backends.local import LocalBackend
-    from service.metrics import Metrics
-    from service.settings import Settings
+    from service.http.app import create_app
+    from service.engine.backends.local import LocalBackend
+    from service.core.metrics import Metrics
+    from service.core.settings import Settings
 
     settings = Settings(model_repository=repo, warmup_runs=1, device_broken_batches=3, device_broken_s=1)
     told: list[str] = []

@@ -28,19 +28,19 @@ from service_process import (ROOT, awkward_jpegs, direct_probabilities, model_pi
 from skimage import data as photos
 
 from repository import InputPolicy, read_entry
-from service import gpu_decode
-from service.app import create_app
-from service.backends.lifecycle import ModelLifecycle
-from service.backends.local import LocalBackend
-from service.backends.process import ProcessBackend
-from service.backends.server import InferenceServer
-from service.decode import resize_and_crop, upload_input
-from service.errors import BadInput, UnsupportedMedia
-from service.gpu_decode import GpuDecoder, crop_weights, gpu_decoder, is_jpeg, resize
-from service.metrics import Metrics
-from service.pipeline import Pipeline
-from service.runtime import CUDA
-from service.settings import Settings
+from service.images import gpu_decode
+from service.http.app import create_app
+from service.engine.backends.lifecycle import ModelLifecycle
+from service.engine.backends.local import LocalBackend
+from service.engine.backends.process import ProcessBackend
+from service.engine.backends.inference_process import InferenceServer
+from service.images.decode import resize_and_crop, upload_input
+from service.core.errors import BadInput, UnsupportedMedia
+from service.images.gpu_decode import GpuDecoder, crop_weights, gpu_decoder, is_jpeg, resize
+from service.core.metrics import Metrics
+from service.pipeline.pipeline import Pipeline
+from service.engine.runtime import CUDA
+from service.core.settings import Settings
 
 REPO = ROOT / "model_repository"
 

@@ -21,7 +21,7 @@ from skimage import data as photos
 from tritonclient.utils import InferenceServerException
 
 from repository import InputPolicy
-from service.grpc_server import SERVICE
+from service.protocol.grpc_server import SERVICE
 from service.protocol import open_inference_pb2 as pb
 
 KEY = {"x-api-key": "secret"}  # tritonclient adds to the headers it is given: each call gets a copy

@@ -22,7 +22,7 @@ from models import WeightsError
 from models.data import preprocess
 from models.hf_folder import read_folder
 from repository import InputPolicy, graph_inputs
-from service.decode import upload_input
+from service.images.decode import upload_input
 
 PHOTOS = ("chelsea", "astronaut", "coffee")
 LABELS = {0: "tabby cat", 1: "rocket", 2: "coffee mug", 3: "astronaut"}

@@ -1,4 +1,4 @@
-"""service.jpeg_header: a JPEG's size and EXIF orientation read without Pillow where the header is plain, and left
+"""service.images.jpeg_header: a JPEG's size and EXIF orientation read without Pillow where the header is plain, and left
 to Pillow (None) wherever Pillow could read it differently; upload_input's answer is Pillow's either way."""
 import io
 import random
@@ -11,9 +11,9 @@ from PIL import Image
 from service_process import photo_bytes
 
 from repository import InputPolicy
-from service.decode import decode, decode_size, model_input, upload_input
-from service.errors import TooLarge
-from service.jpeg_header import jpeg_header
+from service.images.decode import decode, decode_size, model_input, upload_input
+from service.core.errors import TooLarge
+from service.images.jpeg_header import jpeg_header
 
 POLICY = InputPolicy((96, 96), 110, "bicubic", (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
 SOS = b"\xff\xda"

@@ -11,7 +11,7 @@ from service_process import free_port, metric, photo_bytes, running_service
 from service.loadtest import (BOUNDARY, Share, classify_requests, client_bound, merge, multipart, run_level,
                               run_level_processes, split, table)
 from service.loadtest import main as loadtest_main
-from service.routers.uploads import parse_multipart
+from service.http.routes.uploads import parse_multipart
 
 MODEL = "shapes-deit"
 CHELSEA, COFFEE = ("chelsea.jpg", photo_bytes("chelsea", "JPEG")), ("coffee.jpg", photo_bytes("coffee", "JPEG"))

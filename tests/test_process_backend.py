@@ -27,15 +27,15 @@ from service_process import (ROOT, direct_probabilities, every_worker_on, free_p
                              photo_bytes, role_pids, rows_on, run_graph, running_service, service_and_process,
                              service_env, sockets_on, wait_for, workers_on)
 
-from service.backends import wire
-from service.backends.process import ProcessBackend
-from service.backends.server import InferenceServer
-from service.cache import AttentionRecord
-from service.errors import Unavailable
-from service.grpc_server import SERVICE
+from service.engine.backends import wire
+from service.engine.backends.process import ProcessBackend
+from service.engine.backends.inference_process import InferenceServer
+from service.explain.cache import AttentionRecord
+from service.core.errors import Unavailable
+from service.protocol.grpc_server import SERVICE
 from service.protocol import open_inference_pb2 as pb
-from service.runtime import Runner
-from service.settings import Settings
+from service.engine.runtime import Runner
+from service.core.settings import Settings
 
 REPO = ROOT / "model_repository"
 JPEG, PNG = photo_bytes("chelsea", "JPEG"), photo_bytes("astronaut", "PNG")

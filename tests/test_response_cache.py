@@ -1,4 +1,4 @@
-"""The response cache (VITSERVE_RESPONSE_CACHE_BYTES, service/response_cache.py): its bound and order, its keys, and a
+"""The response cache (VITSERVE_RESPONSE_CACHE_BYTES, service/pipeline/response_cache.py): its bound and order, its keys, and a
 real service on both backends answering a repeated image from it, counted as Triton counts, missing on any change of
 the upload, the question or the model."""
 import shutil
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from service_process import ROOT, direct_probabilities, metric, photo_bytes, running_service, write_model
 
-from service.response_cache import ENTRY_BYTES, ResponseCache, upload_key
+from service.pipeline.response_cache import ENTRY_BYTES, ResponseCache, upload_key
 
 REPO = ROOT / "model_repository"
 JPEG, PNG = photo_bytes("chelsea", "JPEG"), photo_bytes("coffee", "PNG")

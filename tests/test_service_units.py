@@ -30,18 +30,18 @@ from skimage import data as photos
 
 from models.data import preprocess as training_preprocess
 from repository import InputPolicy, ModelEntry, read_entry
-from service.backends.board import Boards
-from service.batching import Batcher, QueueFull
-from service.avif_header import largest_frame
-from service.cache import AttentionCache, AttentionRecord
-from service.decode import decode, decode_size, model_input, resize_and_crop, upload_input
-from service.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
-from service.heads import head, top_k
-from service.http_server import WriteCombining
-from service.metrics import Metrics
-from service.middleware import BodyLimit, CancelOnDisconnect
-from service.records import Part, host_inputs, record_dtype, spans, write_results
-from service.runtime import CPU, CUDA, Runner, graph_batches, open_session, serving_plan
+from service.engine.backends.board import Boards
+from service.engine.batching import Batcher, QueueFull
+from service.images.avif_header import largest_frame
+from service.explain.cache import AttentionCache, AttentionRecord
+from service.images.decode import decode, decode_size, model_input, resize_and_crop, upload_input
+from service.core.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
+from service.engine.heads import head, top_k
+from service.http.server import WriteCombining
+from service.core.metrics import Metrics
+from service.http.middleware import BodyLimit, CancelOnDisconnect
+from service.engine.records import Part, host_inputs, record_dtype, spans, write_results
+from service.engine.runtime import CPU, CUDA, Runner, graph_batches, open_session, serving_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
@@ -732,8 +732,42 @@ def test_service_imports_neither_torch_nor_models_nor_export():
     for path, name in imported_names(ROOT / "service"):
         assert name not in ("torch", "models", "export"), f"{path}: {name}"
     # and at run time, the whole app and its server entry points load without them
-    assert loaded_after("import service.app, service.__main__, service.ray_serve, service.supervisor",
+    assert loaded_after("import service.http.app, service.__main__, service.ray_serve, service.supervisor",
                         ("torch", "models", "export")) == []
+
+
+# The service's parts and those each may import (each sub-package's docstring says so): the dependencies point one
+# way, from the web edge down to what every part uses
+PARTS = {"core": set(), "images": {"core"}, "explain": {"core"}, "engine": {"core", "images", "explain"},
+         "pipeline": {"core", "images", "explain", "engine"}, "protocol": {"core", "engine", "pipeline"},
+         "http": {"core", "images", "explain", "engine", "pipeline", "protocol"}}
+ENTRY_POINTS = ["__init__.py", "__main__.py", "loadtest.py", "ray_serve.py", "supervisor.py"]
+
+
+def service_imports(path: Path) -> list[str]:
+    """The service modules a file imports, by their dotted names (relative imports resolved)."""
+    package = list(path.relative_to(ROOT).with_suffix("").parts)[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            found.append(".".join([*base, *([node.module] if node.module else [])]))
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+    return [name for name in found if name == "service" or name.startswith("service.")]
+
+
+def test_each_part_of_the_service_imports_only_the_parts_it_may():
+    assert sorted(p.name for p in (ROOT / "service").glob("*.py")) == ENTRY_POINTS
+    assert sorted(p.name for p in (ROOT / "service").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
+        PARTS)
+    for part, allowed in PARTS.items():
+        assert ast.get_docstring(ast.parse((ROOT / "service" / part / "__init__.py").read_text())), part
+        for path in (ROOT / "service" / part).rglob("*.py"):
+            for name in service_imports(path):
+                assert name.count(".") and name.split(".")[1] in {part, *allowed}, f"{path}: {name}"
+    # the load tester is a client: it knows the protocol's messages and nothing of the server
+    assert service_imports(ROOT / "service" / "loadtest.py") == ["service.protocol"]
 
 
 def test_export_and_the_repository_contract_never_load_the_web_stack():

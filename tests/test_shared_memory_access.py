@@ -14,14 +14,14 @@ import pytest
 from fastapi import FastAPI
 from service_process import ROOT
 
-from service.app import create_app
-from service.backends.local import LocalBackend
-from service.grpc_server import InferenceService, peer_host
-from service.metrics import Metrics
-from service.open_inference import shared_memory_refusal
+from service.http.app import create_app
+from service.engine.backends.local import LocalBackend
+from service.protocol.grpc_server import InferenceService, peer_host
+from service.core.metrics import Metrics
+from service.protocol.open_inference import shared_memory_refusal
 from service.protocol import open_inference_pb2 as pb
-from service.settings import Settings
-from service.shared_memory import SHM, local_client
+from service.core.settings import Settings
+from service.engine.shared_memory import SHM, local_client
 
 MODEL = "shapes-deit"
 H, W = json.loads((ROOT / "model_repository" / MODEL / "manifest.json").read_text())["input"]["size"]

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (service/tracing.py) out of a real service on both backends, into a real OTLP/HTTP receiver
+"""OpenTelemetry traces (service/core/tracing.py) out of a real service on both backends, into a real OTLP/HTTP receiver
 on loopback that this test starts and that decodes what it gets with opentelemetry-proto: the caller's trace goes on
 through the request's span, its decode, its wait in the queue and the batch that ran it (made in the inference
 process under the process backend)."""
@@ -129,7 +129,7 @@ def test_sigterm_ends_the_service_soon_while_its_collector_takes_spans_and_never
 
 def test_traces_are_off_unless_asked_and_cost_no_span(monkeypatch):
     monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
-    from service import tracing
+    from service.core import tracing
     tracing.enable("http")
     assert not tracing.on() and tracing.traceparent() is None
     assert tracing.span("decode") is tracing.batch_span(["00-x-y-01"], 1, "m")  # one shared no-op

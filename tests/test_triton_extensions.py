@@ -16,8 +16,8 @@ import tritonclient.utils.shared_memory as shm
 from service_process import ROOT, free_port, metric, model_pixels, photo_bytes, running_service
 from tritonclient.utils import InferenceServerException
 
-from service.errors import BadInput
-from service.shared_memory import Regions, SharedIO, Slice
+from service.core.errors import BadInput
+from service.engine.shared_memory import Regions, SharedIO, Slice
 
 MODEL = "shapes-deit"
 KEY = {"x-api-key": "secret"}

@@ -10,7 +10,7 @@ import onnxruntime as ort
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from repository import read_entry  # noqa: E402
-from service.decode import upload_input  # noqa: E402
+from service.images.decode import upload_input  # noqa: E402
 
 MODEL = ROOT / "model_repository" / "shapes-deit"
 ENTRY = read_entry(MODEL)

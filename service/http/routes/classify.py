@@ -1,0 +1,75 @@
+"""POST /classify: one image (`file`) or several (`files`, each its own batch item) -> top-k labels."""
+import time
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+from pydantic import BaseModel, Field
+
+from service.core.urgency import PRIORITY, TIMEOUT_MS, set_urgency
+from service.pipeline.pipeline import Pipeline, Results
+from service.pipeline.served import Pipelines
+
+from ..schemas import ClassifyResponse
+from .responses import json_response
+from .uploads import read_images, upload_body
+
+router = APIRouter(tags=["inference"])
+
+
+class ClassifyQuery(BaseModel):
+    """The query of POST /classify, as FastAPI documents it and hot_routes.py checks it."""
+    model: str | None = Field(None, description="model name (default: the server's default model)")
+    top_k: int = Field(5, ge=1, le=100, description="how many labels per image")
+    attention: bool = Field(False, description="keep the attention maps for GET /attention-map")
+    timeout_ms: int | None = Field(None, ge=1, le=3_600_000, description=TIMEOUT_MS)
+    priority: int | None = Field(None, ge=0, le=100, description=PRIORITY)
+
+
+def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]]:
+    """Per image, its top-k labels, best first (top-k itself was computed once for the whole batch)."""
+    labels, k = pipeline.entry.labels, min(top_k, out.fields["top_index"].shape[1])
+    return [[{"label": labels[i], "index": i, "score": s} for i, s in zip(index, score)]
+            for index, score in zip(out.fields["top_index"][:, :k].tolist(), out.fields["top_score"][:, :k].tolist())]
+
+
+@router.post(
+    "/classify", response_model=ClassifyResponse,
+    summary="Classify one or several images",
+    description="Multipart upload: one image as `file`, or several as `files` (each its own batch item). "
+                "Example: `curl -F file=@cat.jpg 'localhost:8000/classify?top_k=5'`.",
+    responses={400: {"description": "no image, or an image that cannot be decoded (of several, only where none "
+                                    "can: the others are answered, and it gets an `error` of its own)"},
+               404: {"description": "unknown model"}, 413: {"description": "upload or image too large, or more images "
+                                                                  "than the limit or the model's queue holds"},
+               415: {"description": "not an image"}, 503: {"description": "overloaded or still loading"},
+               504: {"description": "past the request's timeout_ms"}},
+    openapi_extra=upload_body({"file": "one image (JPEG, PNG, WebP, ...)"}, several="files"),
+)
+async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -> Response:
+    start = time.perf_counter()
+    model, top_k, attention = query.model, query.top_k, query.attention
+    pipelines: Pipelines = request.app.state.pipelines
+    set_urgency(start, query.timeout_ms and query.timeout_ms / 1e3, query.priority, pipelines.settings.priority_levels)
+    chosen = pipelines.get(model)  # an unknown or unready model fails before the body is read
+    if attention:
+        chosen.check_attention()
+    uploads = await read_images(request, ("file", "files"), pipelines.settings.max_files)
+    pipeline = pipelines.get(model)  # routed once the body is in (Pipelines.get)
+    out = await pipeline.images([data for _, data in uploads], top_k, keep=attention)
+    total_ms = (time.perf_counter() - start) * 1e3
+    f = out.fields
+    timings = zip(out.decode_ms, f["queue_ms"].tolist(), f["inference_ms"].tolist(), f["batch_size"].tolist())
+    results = []
+    for i, ((filename, _), best, (decode_ms, queue_ms, inference_ms, batch)) in enumerate(
+            zip(uploads, predictions(pipeline, out, top_k), timings)):
+        if (error := out.errors.get(i)) is not None:  # this file alone could not be read
+            results.append({"filename": filename, "error": {"code": error.code, "message": error.message}})
+            continue
+        key = await pipeline.keep(out, i) if attention else None
+        results.append({
+            "id": key or uuid.uuid4().hex, "filename": filename, "predictions": best, "batch_size": batch,
+            "timings_ms": {"decode_ms": decode_ms, "queue_ms": queue_ms, "inference_ms": inference_ms,
+                           "total_ms": total_ms},
+            "attention_map_url": f"/attention-map?id={key}" if key else None})
+    return json_response({"model": pipeline.name, "scores": pipeline.entry.scores, "results": results})

@@ -1,0 +1,29 @@
+"""Liveness and readiness, for load balancers and orchestrators (the /v2 forms are in kserve.py)."""
+from fastapi import APIRouter, Request
+
+from service.core.errors import Unavailable
+from service.pipeline.served import Pipelines
+
+router = APIRouter(tags=["health"])
+
+
+def require_ready(request: Request) -> None:
+    pipelines: Pipelines = request.app.state.pipelines
+    if (problem := pipelines.backend.problem()) is not None:  # the inference process restarting, or hung
+        raise problem
+    if not pipelines.ready:
+        waiting = [name for name, s in pipelines.backend.status().items() if not s.settled]
+        raise Unavailable(f"warming up: {', '.join(waiting) or 'no model could be loaded'}", "not_ready",
+                          pipelines.settings.retry_after_s)
+
+
+@router.get("/health/live", summary="200 while this HTTP process runs (a restarting inference process is a readiness "
+                                     "matter)")
+async def live() -> dict:
+    return {"status": "live"}
+
+
+@router.get("/health/ready", summary="200 once every model is loaded and warm, 503 before")
+async def ready(request: Request) -> dict:
+    require_ready(request)
+    return {"status": "ready"}
