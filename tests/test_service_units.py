@@ -31,7 +31,7 @@ from skimage import data as photos
 from models.data import preprocess as training_preprocess
 from repository import InputPolicy, ModelEntry, read_entry
 from service.engine.backends.board import Boards
-from service.engine.batching import Batcher, QueueFull
+from service.engine.batching import Batcher, BatchingPolicy, QueueFull
 from service.images.avif_header import largest_frame
 from service.explain.cache import AttentionCache, AttentionRecord
 from service.images.decode import decode, decode_size, model_input, resize_and_crop, upload_input
@@ -420,8 +420,9 @@ def _run_batcher(coro_fn, gate: Gate | None = None, **kw):
             return 0.02
 
         with ThreadPoolExecutor(1) as pool:
-            batcher = Batcher("m", run, pool, Metrics(), **{"max_batch_size": 4, "max_queue_delay_s": 0.05,
-                                                            "queue_limit": 16, **kw})
+            policy = {"max_batch_size": 4, "max_queue_delay_s": 0.05, "queue_limit": 16, **kw}
+            coming = policy.pop("coming", lambda: 0)
+            batcher = Batcher("m", run, pool, Metrics(), BatchingPolicy(**policy), coming=coming)
             batcher.start()
             try:
                 return await coro_fn(batcher), calls
@@ -499,11 +500,11 @@ def test_a_partial_batch_waits_only_while_another_request_is_preparing_and_at_mo
             await batcher.submit(one).future
             return one
 
-    result, calls = _run_batcher(alone, max_queue_delay_s=0.1, waiting=partial(boards.waiting, [0]))
+    result, calls = _run_batcher(alone, max_queue_delay_s=0.1, coming=partial(boards.coming, [0]))
     assert calls == [1] and result["queue_ms"][0] < 50  # nothing else coming: no wait
-    result, calls = _run_batcher(joined, max_queue_delay_s=0.1, waiting=partial(boards.waiting, [0]))
+    result, calls = _run_batcher(joined, max_queue_delay_s=0.1, coming=partial(boards.coming, [0]))
     assert calls == [2]
-    result, calls = _run_batcher(abandoned, max_queue_delay_s=0.1, waiting=partial(boards.waiting, [0]))
+    result, calls = _run_batcher(abandoned, max_queue_delay_s=0.1, coming=partial(boards.coming, [0]))
     assert calls == [1] and 90 <= result["queue_ms"][0] < 1000  # waited for it, but no longer than the delay
 
 
@@ -536,13 +537,13 @@ def test_a_request_given_up_while_its_batch_is_gathered_is_left_out_of_it():
         await batcher.submit(kept).future
         return kept
 
-    result, calls = _run_batcher(go, max_queue_delay_s=0.1, waiting=partial(boards.waiting, [0]))
+    result, calls = _run_batcher(go, max_queue_delay_s=0.1, coming=partial(boards.coming, [0]))
     assert calls == [1] and result["logits"][0, 0] == 6  # no batch for the cancelled request, not even an empty one
 
 
 def test_a_request_whose_client_left_leaves_the_queue_at_once():
     async def main():
-        batcher = Batcher("m", lambda parts, queue_ms: 0.0, None, Metrics(), 4, 10.0, 8)  # not started: none taken
+        batcher = Batcher("m", lambda parts, queue_ms: 0.0, None, Metrics(), BatchingPolicy(4, 10.0, 8))  # not started: none taken
         left = batcher.submit(images(*range(6))).future
         with pytest.raises(QueueFull):
             batcher.submit(images(*range(4)))
@@ -592,10 +593,10 @@ def test_a_lone_request_runs_in_the_callers_thread_and_never_beside_a_batch():
             waits = await loop.run_in_executor(None, batcher.try_run_here, images(4), 1)
         return ran, alone, busy, waits
 
-    (ran, alone, busy, waits), calls = _run_batcher(go, waiting=partial(boards.waiting, [0]))
+    (ran, alone, busy, waits), calls = _run_batcher(go, coming=partial(boards.coming, [0]))
     assert ran and alone["logits"][0, 0] == 14 and alone["batch_size"][0] == 1
     assert not busy and not waits and calls == [1, 2]
-    two_at_a_time = Batcher("gpu", lambda parts, queue_ms: 0.0, None, Metrics(), 4, 0.0, 8, concurrency=2)
+    two_at_a_time = Batcher("gpu", lambda parts, queue_ms: 0.0, None, Metrics(), BatchingPolicy(4, 0.0, 8), concurrency=2)
     assert not two_at_a_time.try_run_here(images(5), 1)  # a GPU's batches run in their own threads
 
 
@@ -620,7 +621,7 @@ def test_a_failed_batch_fails_its_requests_and_the_next_batch_runs():
             return 0.0
 
         with ThreadPoolExecutor(1) as pool:
-            batcher = Batcher("m", run, pool, Metrics(), 4, 0.0, 16)
+            batcher = Batcher("m", run, pool, Metrics(), BatchingPolicy(4, 0.0, 16))
             batcher.start()
             try:
                 return await go(batcher)

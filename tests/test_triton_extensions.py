@@ -13,7 +13,7 @@ import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 import tritonclient.utils.shared_memory as shm
-from service_process import ROOT, free_port, metric, model_pixels, photo_bytes, running_service
+from service_process import ROOT, free_port, metric, model_pixels, photo_bytes, running_service, write_model
 from tritonclient.utils import InferenceServerException
 
 from service.core.errors import BadInput
@@ -24,11 +24,25 @@ KEY = {"x-api-key": "secret"}
 MAX_BATCH, DELAY_MS = 8, 20
 
 
+OWN_BATCHING = {"max_batch_size": 2, "max_queue_delay_ms": 0, "queue_limit": 8}  # shapes-vit's, in its manifest
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory) -> Path:
+    """The embedded classifiers, shapes-vit with a batching of its own."""
+    root = tmp_path_factory.mktemp("repository")
+    for name in ("shapes-deit", "shapes-swin", "shapes-vit-int8"):
+        write_model(root / name, ROOT / "model_repository" / name, name)
+    write_model(root / "shapes-vit", ROOT / "model_repository" / "shapes-vit", "shapes-vit", batching=OWN_BATCHING)
+    return root
+
+
 @pytest.fixture(scope="module", params=["thread", "process"])
-def served(request):
+def served(request, repository):
     grpc_port = free_port()
     with running_service(backend=request.param, workers=2, grpc_port=grpc_port, api_key="secret",
-                         max_batch_size=MAX_BATCH, max_queue_delay_ms=DELAY_MS, queue_limit=64) as url:
+                         model_repository=repository, max_batch_size=MAX_BATCH, max_queue_delay_ms=DELAY_MS,
+                         queue_limit=64) as url:
         yield url, f"127.0.0.1:{grpc_port}"
 
 
@@ -101,6 +115,26 @@ def test_the_configuration_is_what_serves_over_rest_and_grpc(served, clients):
     extensions = rest.get_server_metadata()["extensions"]
     assert {"model_configuration", "statistics", "system_shared_memory"} <= set(extensions)
     assert grpc.get_server_metadata(as_json=True)["extensions"] == extensions
+
+
+def test_a_model_with_a_batching_of_its_own_is_batched_by_it_and_its_configuration_says_so(served, clients):
+    """Six photos in one request: shapes-vit (max_batch_size 2 in its manifest) runs them in batches of 2,
+    shapes-deit (the server's 8) in one; nine are more than shapes-vit's queue holds (8), not shapes-deit's (64)."""
+    rest, grpc = clients
+    for model, batch, delay_us in (("shapes-vit", 2, 0), (MODEL, MAX_BATCH, DELAY_MS * 1000)):
+        for config in (rest.get_model_config(model, headers=dict(KEY)),
+                       grpc.get_model_config(model, headers=dict(KEY), as_json=True)["config"]):
+            assert int(config["max_batch_size"]) == batch, (model, config)
+            assert int(config["dynamic_batching"].get("max_queue_delay_microseconds", 0)) == delay_us, model
+    url, jpeg = served[0], photo_bytes("chelsea", "JPEG")
+
+    def batch_sizes(model: str, n: int) -> list[int] | int:
+        r = httpx.post(f"{url}/classify", files=[("files", (f"{i}.jpg", jpeg)) for i in range(n)],
+                       params={"model": model}, headers=KEY, timeout=60)
+        return [result["batch_size"] for result in r.json()["results"]] if r.status_code == 200 else r.status_code
+
+    assert batch_sizes("shapes-vit", 6) == [2] * 6 and batch_sizes(MODEL, 6) == [6] * 6
+    assert batch_sizes("shapes-vit", 9) == 413 and batch_sizes(MODEL, 9) == [8] * 8 + [1]
 
 
 def test_a_bad_configuration_or_statistics_request_is_a_4xx(served, clients):

@@ -34,6 +34,11 @@ class Forbidden(ServiceError):
     code = "forbidden"
 
 
+class Unauthenticated(ServiceError):
+    """No API key, or the wrong one (VITSERVE_API_KEY; core/api_key.py)."""
+    code = "unauthorized"
+
+
 class Unavailable(ServiceError):
     """Not now: loading, overloaded, or failed; retry_after_s says when to try again, where it makes sense."""
     code = "unavailable"
@@ -45,7 +50,7 @@ class DeadlineExceeded(ServiceError):
 
 
 KINDS = {cls.__name__: cls for cls in (ServiceError, BadInput, NotFound, TooLarge, UnsupportedMedia, Forbidden,
-                                       Unavailable, DeadlineExceeded)}
+                                       Unauthenticated, Unavailable, DeadlineExceeded)}
 
 
 def overloaded(message: str, retry_after_s: int) -> Unavailable:

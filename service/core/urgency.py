@@ -3,8 +3,8 @@
 The deadline: when its client stops waiting for the answer. It is set once where the request arrives
 (`timeout_ms` on the REST routes, the Open Inference Protocol's `timeout` parameter in microseconds as Triton reads
 it, a gRPC call's own deadline) and read where the request would wait or work: before its decode, between its
-files, before its batch, and as the bound on its wait in the queue. A request past it is dropped there, its images never run, and
-answered 504 `deadline_exceeded` (gRPC DEADLINE_EXCEEDED).
+files, before its batch, and as the bound on its wait in the queue. A request past it is dropped there, its images
+never run, and answered 504 `deadline_exceeded` (gRPC DEADLINE_EXCEEDED).
 
 The priority, Triton's: level 1 is taken into a batch first, then 2, up to VITSERVE_PRIORITY_LEVELS, the default
 (a request's `priority` 0 or none). So that no level starves, an image that has waited VITSERVE_PRIORITY_AGING_MS
@@ -27,6 +27,25 @@ PRIORITY = ("Triton's priority: 1 is taken into a batch first, then 2, up to VIT
 
 _DEADLINE: ContextVar[float | None] = ContextVar("deadline", default=None)  # time.perf_counter() seconds
 _PRIORITY: ContextVar[int] = ContextVar("priority", default=0)  # 0: the default level
+
+
+def from_query(start: float, timeout_ms: int | None, priority: int | None, levels: int) -> None:
+    """The urgency of a REST route's request, its query's `timeout_ms` and `priority` (checked by their pydantic
+    fields)."""
+    set_urgency(start, timeout_ms and timeout_ms / 1e3, priority, levels)
+
+
+def from_parameters(start: float, parameters: dict, levels: int, call_s: float | None = None) -> None:
+    """The urgency of an Open Inference request, over REST or gRPC: its `timeout` (µs, Triton's) and `priority`
+    parameters, whatever their types (a bool is no whole number here, though Python's isinstance takes it for one:
+    BadInput naming them), and a gRPC call's own deadline (`call_s` left), the sooner."""
+    timeout_us, priority = parameters.get("timeout"), parameters.get("priority")
+    if timeout_us is not None and (type(timeout_us) is not int or not 1 <= timeout_us <= TIMEOUT_US_MAX):
+        raise BadInput(f"parameter timeout {timeout_us!r}: a whole number of microseconds, 1 to {TIMEOUT_US_MAX}")
+    if priority is not None and type(priority) is not int:
+        raise BadInput(f"parameter priority {priority!r}: a whole number", "bad_priority")
+    limits = [s for s in (call_s, timeout_us and timeout_us / 1e6) if s is not None]
+    set_urgency(start, min(limits, default=None), priority, levels)
 
 
 def set_urgency(start: float, timeout_s: float | None, priority: int | None, levels: int) -> None:

@@ -4,13 +4,15 @@ Entries queue up, each the rows of one records array that go together: one HTTP 
 process backend a worker's *frame* (the slots of its shared-memory arena that many requests filled). A batch
 runs as soon as it holds max_batch_size images or its oldest image has waited max_queue_delay; an entry larger
 than the room left is split across batches. Unlike Triton, the batcher knows how many requests are still
-decoding their images for this graph (`waiting`: the boards of the processes that decode, board.py): a partial
+decoding their images for this graph (`coming`: the boards of the processes that decode, board.py): a partial
 batch waits only while one is, since nothing else could join it, so a lone client never pays the delay. Up to
 `concurrency` batches run at once in the executor (2 on a GPU: one is copied in and post-processed while the
 other computes); results are written into the entries' records there, and each entry's future is resolved once
 all its images are done. Beyond queue_limit queued images, new
 entries are refused at once instead of growing the queue. Entries are taken in arrival order within a priority
-level, the first level first; one that has waited `aging_s` counts as first-level (urgency.py).
+level, the first level first; one that has waited `aging_s` counts as first-level (urgency.py). Those figures are
+the graph's BatchingPolicy: the server's settings, or the model manifest's own, as Triton's model configuration
+sets them per model.
 """
 import asyncio
 import logging
@@ -24,9 +26,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from repository import ModelEntry
 from service.core import tracing
 from service.core.errors import ServiceError
 from service.core.metrics import Metrics
+from service.core.settings import Settings
 
 from .records import KINDS, Part, Rows, count, kind_of
 
@@ -56,20 +60,38 @@ class Entry:
     priority: int = 0  # its level, 1 first; 0: the default (the last level)
 
 
+@dataclass(frozen=True)
+class BatchingPolicy:
+    """How one graph's requests are batched, as Triton's `dynamic_batching` and queue policy say it per model."""
+    max_batch_size: int  # images in a batch at most
+    max_queue_delay_s: float  # the longest a partial batch waits for more, while more are on their way
+    queue_limit: int  # queued images beyond which requests are refused (503), and the most one request may hold
+    aging_s: float = 0.2  # an image that has waited this long is taken as a first-level one (urgency.py)
+
+    @classmethod
+    def of(cls, settings: Settings, entry: ModelEntry) -> "BatchingPolicy":
+        """The server's (VITSERVE_MAX_BATCH_SIZE, _MAX_QUEUE_DELAY_MS, _QUEUE_LIMIT, _PRIORITY_AGING_MS), each where
+        the model's manifest does not set its own (its `batching`)."""
+        own = entry.manifest.get("batching", {})
+        return cls(own.get("max_batch_size", settings.max_batch_size),
+                   own.get("max_queue_delay_ms", settings.max_queue_delay_ms) / 1000,
+                   own.get("queue_limit", settings.queue_limit), settings.priority_aging_ms / 1000)
+
+
 # runs one batch in the executor: (parts, each part's queue ms) -> inference seconds
 RunBatch = Callable[[list[Part], list[float]], float]
 
 
 class Batcher:
-    def __init__(self, name: str, run: RunBatch, executor: Executor, metrics: Metrics, max_batch_size: int,
-                 max_queue_delay_s: float, queue_limit: int, concurrency: int = 1, aging_s: float = 0.2,
-                 waiting: Callable[[], int] = lambda: 0, queued: Callable[[], None] = lambda: None):
-        """`waiting`: how many requests are decoding images for this graph, on every board (board.py); `queued`:
+    def __init__(self, name: str, run: RunBatch, executor: Executor, metrics: Metrics, policy: BatchingPolicy,
+                 concurrency: int = 1, coming: Callable[[], int] = lambda: 0,
+                 queued: Callable[[], None] = lambda: None):
+        """`coming`: how many requests are on their way to this graph (decoding its images), on every board
+        (board.py); `queued`:
         called once per turn of the event loop in which the queue changed (the GPU decoder's room is told then)."""
-        self.name, self.run, self.executor, self.aging_s, self.waiting = name, run, executor, aging_s, waiting
-        self.queued = queued
-        self.max_batch_size, self.max_queue_delay_s, self.queue_limit = max_batch_size, max_queue_delay_s, queue_limit
-        self._waiting: deque[Entry] = deque()
+        self.name, self.run, self.executor, self.policy = name, run, executor, policy
+        self.coming, self.queued = coming, queued
+        self._queue: deque[Entry] = deque()
         self._ranked = 0  # waiting entries of a level above the default: while none, the first is taken first
         self._arrived = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
@@ -94,17 +116,19 @@ class Batcher:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await asyncio.gather(*self._running, return_exceptions=True)
-        for entry in self._waiting:
+        for entry in self._queue:
             entry.future.cancel()
-        self._waiting.clear()
+        self._queue.clear()
         self._ranked = self.jpegs = 0
 
     def try_run_here(self, records: np.ndarray, top_k: int, trace: str | None = None) -> bool:
         """From a thread of the caller's (a decode thread), the records run at once in that thread, as a batch of
         their own, where nothing else is queued, gathered, running or being decoded for this batcher (the caller's
         own request counts as decoding): a lone request is spared two thread hops. False, having done nothing,
-        where the batcher is busy or runs batches two at a time (a GPU): then submit them."""
-        if (self._one_at_a_time is None or self._waiting or self._gathering or self._running or self.waiting() > 1
+        where the batcher is busy, runs batches two at a time (a GPU), or the records are more than a batch holds:
+        then submit them."""
+        if (self._one_at_a_time is None or len(records) > self.policy.max_batch_size or self._queue
+                or self._gathering or self._running or self.coming() > 1
                 or not self._one_at_a_time.acquire(blocking=False)):
             return False
         part = Part(records, slice(0, len(records)), top_k)
@@ -137,12 +161,12 @@ class Batcher:
     @property
     def busy(self) -> bool:
         """Images queued, being gathered or running."""
-        return bool(self._waiting or self._gathering or self._running)
+        return bool(self._queue or self._gathering or self._running)
 
     @property
     def room(self) -> int:
         """Images the queue takes before it refuses."""
-        return self.queue_limit - self.depth
+        return self.policy.queue_limit - self.depth
 
     def submit(self, records: np.ndarray, top_k: int = 1, inputs: list | None = None, rows: Rows | None = None,
                on_taken: Callable[[], None] | None = None, traces: list[str | None] | None = None,
@@ -155,15 +179,14 @@ class Batcher:
         n = count(rows)
         if n > self.room:
             raise QueueFull(f"{self.name} is busy: {self.depth} images are queued, and this request's {n} would pass "
-                            f"its limit of {self.queue_limit}; retry later")
+                            f"its limit of {self.policy.queue_limit}; retry later")
         future = asyncio.get_running_loop().create_future()
         entry = Entry(records, rows, top_k, inputs, future, time.perf_counter(), on_taken, n, kind_of(records),
                       traces=traces or [], priority=priority)
         future.add_done_callback(lambda f: f.cancelled() and self._abandon(entry))
-        self._waiting.append(entry)
+        self._queue.append(entry)
         self._ranked += priority > 0
-        self.depth += n
-        self.jpegs += n if entry.kind == "jpeg" else 0
+        self._counted(entry, n)
         self._tell_depth()
         self._arrived.set()
         return entry
@@ -171,11 +194,10 @@ class Batcher:
     def drop(self, entry: Entry, first: int, stop: int) -> None:
         """The entry's rows first..stop-1 leave the queue and the batch being gathered, those not yet in a batch
         that started (their request has gone)."""
-        waiting = entry in self._waiting
+        waiting = entry in self._queue
         if waiting:
             entry.rows, entry.inputs, gone = _without(entry.rows, entry.inputs, first, stop)
-            self.depth -= gone
-            self.jpegs -= gone if entry.kind == "jpeg" else 0
+            self._counted(entry, -gone)
             entry.left -= gone
             self._tell_depth()
         for owner, part in self._gathering:
@@ -188,6 +210,12 @@ class Batcher:
                 entry.on_taken()
         if not entry.left and not entry.future.done():
             entry.future.set_result(entry.errors)
+
+    def _counted(self, entry: Entry, n: int) -> None:
+        """n of the entry's images joined the queue (n < 0: left it, into a batch or with their request)."""
+        self.depth += n
+        if entry.kind == "jpeg":
+            self.jpegs += n
 
     def _tell_depth(self) -> None:
         """The queue depth gauge, once the current turn of the event loop is over (a gauge shared between processes
@@ -212,40 +240,39 @@ class Batcher:
 
     async def drained(self) -> None:
         """Nothing is queued, gathered, running or on its way (decoding here or in other processes)."""
-        while self._waiting or self._gathering or self._running or self.waiting():
+        while self._queue or self._gathering or self._running or self.coming():
             await asyncio.sleep(0.005)
 
     def _abandon(self, entry: Entry) -> None:
         """Its caller went away (the client disconnected): what is not yet in a batch leaves the queue at once."""
-        if entry in self._waiting:
+        if entry in self._queue:
             self._leave(entry)
-            self.depth -= count(entry.rows)
-            self.jpegs -= count(entry.rows) if entry.kind == "jpeg" else 0
+            self._counted(entry, -count(entry.rows))
             self._tell_depth()
 
     def _leave(self, entry: Entry) -> None:
-        self._waiting.remove(entry)  # (the first, but where priorities chose another)
+        self._queue.remove(entry)  # (the first, but where priorities chose another)
         self._ranked -= entry.priority > 0
 
     def _next(self) -> Entry:
         """The waiting entry a batch takes from next: the first to arrive of the first level, an entry that has
         waited aging_s counting as first-level; without priorities, simply the first to arrive."""
         if not self._ranked:
-            return self._waiting[0]
-        aged = time.perf_counter() - self.aging_s
-        return min(self._waiting, key=lambda e: (1 if e.enqueued <= aged else e.priority or math.inf, e.enqueued))
+            return self._queue[0]
+        aged = time.perf_counter() - self.policy.aging_s
+        return min(self._queue, key=lambda e: (1 if e.enqueued <= aged else e.priority or math.inf, e.enqueued))
 
     async def _gather(self) -> list[tuple[Entry, Part]]:
         """Wait for a first image, then fill up until the batch is full, the first has waited long enough or no
         more images are on their way."""
-        taken, room, deadline = self._gathering, self.max_batch_size, None
+        taken, room, deadline = self._gathering, self.policy.max_batch_size, None
         while room:
-            if self._waiting:
+            if self._queue:
                 entry = self._next()
                 if entry.future.cancelled():  # abandoned, its callback not yet run
                     self._abandon(entry)
                     continue
-                deadline = deadline or entry.enqueued + self.max_queue_delay_s
+                deadline = deadline or entry.enqueued + self.policy.max_queue_delay_s
                 n = min(room, count(entry.rows))
                 rows, entry.rows = _split(entry.rows, n)
                 inputs = None
@@ -253,8 +280,7 @@ class Batcher:
                     inputs, entry.inputs = entry.inputs[:n], entry.inputs[n:]
                 taken.append((entry, Part(entry.records, rows, entry.top_k, inputs, entry.kind)))
                 room -= n
-                self.depth -= n
-                self.jpegs -= n if entry.kind == "jpeg" else 0
+                self._counted(entry, -n)
                 if not count(entry.rows):
                     self._leave(entry)
                 continue
@@ -263,7 +289,7 @@ class Batcher:
                 await self._arrived.wait()
                 continue
             remaining = deadline - time.perf_counter()
-            if remaining <= 0 or not self.waiting():
+            if remaining <= 0 or not self.coming():
                 break
             try:
                 async with asyncio.timeout(remaining):  # (not wait_for: it makes a task each time)
@@ -316,7 +342,7 @@ class Batcher:
         finally:
             self._slots.release()
             self.finished += 1
-        if self._waiting:  # let the loop start the next batch before it answers this one's entries, so that the
+        if self._queue:  # let the loop start the next batch before it answers this one's entries, so that the
             await asyncio.sleep(0)  # inference thread is not idle while they are encoded
         self._observe_batch(sum(p.size for p in parts), elapsed)
         for entry, part in taken:

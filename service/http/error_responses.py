@@ -10,21 +10,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from service.core.errors import (
-    BadInput,
-    DeadlineExceeded,
-    Forbidden,
-    NotFound,
-    ServiceError,
-    TooLarge,
-    Unavailable,
-    UnsupportedMedia,
-)
+from service.core.errors import (BadInput, DeadlineExceeded, Forbidden, NotFound, ServiceError, TooLarge,
+                                 Unauthenticated, Unavailable, UnsupportedMedia)
 
 log = logging.getLogger("vitserve")
 
-STATUS = {BadInput: 400, Forbidden: 403, NotFound: 404, TooLarge: 413, UnsupportedMedia: 415, Unavailable: 503,
-          DeadlineExceeded: 504}
+STATUS = {BadInput: 400, Unauthenticated: 401, Forbidden: 403, NotFound: 404, TooLarge: 413, UnsupportedMedia: 415,
+          Unavailable: 503, DeadlineExceeded: 504}
 
 
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,

@@ -2,13 +2,13 @@
 per-route request metrics, and (where traces are on) each request's span."""
 import asyncio
 import contextlib
-import hmac
 import time
 import zlib
 
 from service.core import tracing
-from service.core.errors import BadInput
-from service.core.metrics import Metrics
+from service.core.api_key import check_key
+from service.core.errors import BadInput, Unauthenticated
+from service.core.metrics import Metrics, RequestCounter
 
 from .error_responses import error_response
 
@@ -161,12 +161,12 @@ class ApiKey:
         path = scope.get("path", "")
         if scope["type"] != "http" or path in self.OPEN_PATHS or path.startswith(self.OPEN_PREFIXES):
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"x-api-key", b"")
-        if hmac.compare_digest(given, self.key):
-            return await self.app(scope, receive, send)
-        message = "wrong API key" if given else "this server needs an API key: send it in the X-API-Key header"
-        await error_response(401, "unauthorized", message, {"WWW-Authenticate": 'APIKey header="X-API-Key"'},
-                             path)(scope, receive, send)
+        try:
+            check_key(dict(scope["headers"]).get(b"x-api-key", b""), self.key, "the X-API-Key header")
+        except Unauthenticated as e:
+            return await error_response(401, e.code, e.message, {"WWW-Authenticate": 'APIKey header="X-API-Key"'},
+                                        path)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class CancelOnDisconnect:
@@ -222,9 +222,7 @@ class RequestMetrics:
     """Counts requests by route template, method and status, and times them."""
 
     def __init__(self, app, metrics: Metrics):
-        self.app, self.metrics = app, metrics
-        # the labelled series, each looked up once: a lookup costs more than the write (docs/performance.md)
-        self._series: dict[tuple[str, str, int], tuple] = {}
+        self.app, self.count = app, RequestCounter(metrics)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -240,13 +238,8 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, tracked_send)
         finally:
-            path = getattr(scope.get("route"), "path", "unmatched")
-            key = (path, scope["method"], status)
-            if (series := self._series.get(key)) is None:
-                series = self._series[key] = (self.metrics.requests.labels(path, scope["method"], str(status)),
-                                              self.metrics.request_seconds.labels(path))
-            series[0].inc()
-            series[1].observe(time.perf_counter() - start)
+            self.count(getattr(scope.get("route"), "path", "unmatched"), scope["method"], str(status),
+                       time.perf_counter() - start)
 
 
 class TraceRequests:

@@ -25,7 +25,8 @@ from service.core.errors import BadInput, ServiceError, TooLarge, Unavailable, U
 from service.core.metrics import Metrics
 from service.core.settings import Settings
 from service.core.urgency import check_deadline, expired, request_deadline
-from service.engine.backends import Backend, Lease
+from service.engine.backends import Backend, Lease, graph_entry
+from service.engine.batching import BatchingPolicy
 from service.engine.heads import head
 from service.engine.records import TIMINGS, output_names, record_dtype, results
 from service.engine.shared_memory import SharedIO, SharedTensor, Slice
@@ -114,6 +115,11 @@ class Pipeline:
         self.stats = metrics.request_observer(self.name, str(entry.version))
         self._queue_series: dict[str, object] = {}  # by graph (_queue_seconds)
         self._decoded_on = {where: metrics.images_decoded.labels(self.name, where) for where in ("cpu", "gpu")}
+
+    @property
+    def batching(self) -> BatchingPolicy:
+        """The batching of the graph that runs this model's batches (its manifest's, where it has one)."""
+        return BatchingPolicy.of(self.settings, graph_entry(self.backend.entries, self.backend.status(), self.key))
 
     async def images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False) -> Results:
         """`run_images`, where the response cache is on (and no photo is kept for a map) for the uploads it has not
@@ -305,9 +311,9 @@ class Pipeline:
                        [ms for out in done for ms in out.decode_ms])
 
     def _check_count(self, n: int) -> None:
-        if n > self.settings.queue_limit:  # it would never fit: retrying later (503) cannot help
-            raise TooLarge(f"{n} images in one request; this model's queue holds {self.settings.queue_limit} "
-                           "(VITSERVE_QUEUE_LIMIT), so send at most that many at once", "too_many_images")
+        if n > (limit := self.batching.queue_limit):  # it would never fit: retrying later (503) cannot help
+            raise TooLarge(f"{n} images in one request; this model's queue holds {limit} (VITSERVE_QUEUE_LIMIT, or "
+                           "its manifest's batching), so send at most that many at once", "too_many_images")
 
     async def _run(self, job: Job) -> Results:
         """The job's three steps: its records filled (in the decode pool), batched and run, its results copied

@@ -2,7 +2,9 @@
 they share: the decode pool, the response cache, the face detector and the default models."""
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from repository import RepositoryError, face_detector
 from service.core.errors import BadInput, NotFound, Unavailable
@@ -17,6 +19,7 @@ from .pipeline import Pipeline
 from .response_cache import ResponseCache
 
 log = logging.getLogger("vitserve")
+T = TypeVar("T")  # what a route reads of a request's body (Pipelines.routed)
 
 
 class Pipelines:
@@ -130,12 +133,20 @@ class Pipelines:
         if self._generation != self.backend.generation:  # loaded, reloaded or unloaded since: rare
             self._rebuild()
 
+    async def routed(self, read: Callable[[Pipeline], Awaitable[T]], name: str | None, task: str | None = None,
+                     version: str | None = None) -> tuple[Pipeline, T]:
+        """The model's pipeline (`get`), and what `read` makes of the request's body, given the pipeline it reads
+        for. The model is looked up before the body is read, so that an unknown or unready one fails first (and
+        `read` may check more of it), and again once the body is in, so that no await separates the pipeline from
+        the records the request takes (Backend.preparing, records): a version being unloaded meanwhile is then
+        either not chosen, or counts the request before its drain finishes."""
+        body = await read(self.get(name, task, version))
+        return self.get(name, task, version), body
+
     def get(self, name: str | None, task: str | None = None, version: str | None = None) -> Pipeline:
         """The named (or default) model, ready to serve (the version asked for, else the one its name reaches):
         NotFound for an unknown name or version, Unavailable while it warms up or after it failed, BadInput when
-        it is not a model for `task`. A route asks for it again once the request's body is in, so that no await
-        separates it from the records taken (Backend.preparing, records): a version being unloaded then either
-        is not chosen, or counts the request before its drain finishes."""
+        it is not a model for `task`. A route with a body finds its model through `routed`."""
         if (problem := self.backend.problem()) is not None:  # the inference process restarting, or hung
             raise problem
         if name is None and task == "expression":

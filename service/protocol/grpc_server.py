@@ -15,7 +15,6 @@ RPCs, or a request that names a region) where the client may not use it (open_in
 """
 import asyncio
 import functools
-import hmac
 import logging
 import time
 from importlib.metadata import version
@@ -26,44 +25,22 @@ import numpy as np
 from google.protobuf import json_format
 
 from service.core import tracing
-from service.core.errors import (
-    BadInput,
-    DeadlineExceeded,
-    Forbidden,
-    NotFound,
-    ServiceError,
-    TooLarge,
-    Unavailable,
-    UnsupportedMedia,
-)
-from service.core.metrics import Metrics
+from service.core.api_key import check_key
+from service.core.errors import (BadInput, DeadlineExceeded, Forbidden, NotFound, ServiceError, TooLarge,
+                                 Unauthenticated, Unavailable, UnsupportedMedia)
+from service.core.metrics import Metrics, RequestCounter
 from service.core.settings import Settings
-from service.core.urgency import TIMEOUT_US_MAX, set_urgency
+from service.core.urgency import from_parameters
 from service.engine.shared_memory import NO_CUDA_SHARED_MEMORY, no_cuda_region, requested_slice
 from service.pipeline.served import Pipelines
 
 from . import open_inference_pb2 as pb
-from .open_inference import (
-    check_load_parameters,
-    check_shared_tensors,
-    extensions,
-    find_model,
-    model_config,
-    model_inputs,
-    model_outputs,
-    regions_backend,
-    repository_index,
-    require_model_control,
-    served_metadata,
-    shared_outputs,
-)
+from .open_inference import (check_load_parameters, check_shared_tensors, extensions, find_model, model_config,
+                             model_inputs, model_outputs, regions_backend, repository_index, require_model_control,
+                             served_metadata, shared_outputs)
 from .statistics import current_statistics
 
 log = logging.getLogger("vitserve")
-
-
-class Unauthenticated(ServiceError):
-    code = "unauthorized"
 
 
 STATUS = {BadInput: grpc.StatusCode.INVALID_ARGUMENT, UnsupportedMedia: grpc.StatusCode.INVALID_ARGUMENT,
@@ -129,25 +106,16 @@ class InferenceService:
     def __init__(self, pipelines: Pipelines, settings: Settings, metrics: Metrics):
         self.pipelines, self.metrics = pipelines, metrics
         self.key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
-        self._series: dict[tuple[str, grpc.StatusCode], tuple] = {}
+        self._counted = RequestCounter(metrics)
 
     def count(self, name: str, code: grpc.StatusCode, seconds: float) -> None:
-        """One call in the request metrics; each labelled series looked up once."""
-        series = self._series.get((name, code))
-        if series is None:
-            route = f"/{SERVICE}/{name}"
-            series = self._series[name, code] = (self.metrics.requests.labels(route, "GRPC", code.name),
-                                                 self.metrics.request_seconds.labels(route))
-        series[0].inc()
-        series[1].observe(seconds)
+        """One call in the request metrics."""
+        self._counted(f"/{SERVICE}/{name}", "GRPC", code.name, seconds)
 
     def authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self.key is None:
-            return
-        given = dict(context.invocation_metadata() or ()).get("x-api-key", "")
-        if not hmac.compare_digest(given.encode(), self.key):
-            raise Unauthenticated("wrong API key" if given else "this server needs an API key: send it in the "
-                                   "x-api-key metadata")
+        if self.key is not None:
+            given = dict(context.invocation_metadata() or ()).get("x-api-key", "")
+            check_key(given.encode(), self.key, "the x-api-key metadata")
 
     @rpc
     async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
@@ -287,15 +255,8 @@ class InferenceService:
                     ) -> pb.ModelInferResponse:
         """ModelInfer's answer to a client (its address, as peer_host gives it), within the call's deadline
         (`call_s` seconds left) and the request's `timeout` parameter (µs, Triton's), the sooner."""
-        given = parameters(request.parameters)
-        timeout_us, priority = given.get("timeout"), given.get("priority")
-        if timeout_us is not None and (type(timeout_us) is not int or not 1 <= timeout_us <= TIMEOUT_US_MAX):
-            raise BadInput(f"parameter timeout {timeout_us!r}: a whole number of microseconds, 1 to "
-                           f"{TIMEOUT_US_MAX}")  # (type: a bool_param is an int to isinstance)
-        if priority is not None and type(priority) is not int:
-            raise BadInput(f"parameter priority {priority!r}: a whole number", "bad_priority")
-        limits = [s for s in (call_s, timeout_us and timeout_us / 1e6) if s is not None]
-        set_urgency(time.perf_counter(), min(limits, default=None), priority, self.pipelines.settings.priority_levels)
+        from_parameters(time.perf_counter(), parameters(request.parameters), self.pipelines.settings.priority_levels,
+                        call_s)
         pipeline = self.pipelines.get(request.model_name, version=request.model_version)
         places = [requested_slice(parameters(t.parameters), f"input {t.name!r}") for t in request.inputs]
         sent = [i for i, place in enumerate(places) if place is None]  # the inputs whose values travel here

@@ -83,7 +83,7 @@ def model_config(pipelines: Pipelines, name: str, version: str | None) -> dict:
     they run (batches in flight on the provider that runs the graph)."""
     pipeline = find_model(pipelines, name, version)
     status, settings = pipelines.backend.status()[pipeline.key], pipelines.settings
-    metadata, entry = model_metadata(pipeline), pipeline.entry
+    metadata, entry, batching = model_metadata(pipeline), pipeline.entry, pipeline.batching
     formats = {"UINT8": "FORMAT_NHWC", "FP32": "FORMAT_NCHW"}  # of the inputs the metadata lists
     gpu = status.provider == CUDA
     instances = {"name": pipeline.name, "kind": "KIND_GPU" if gpu else "KIND_CPU",
@@ -94,12 +94,12 @@ def model_config(pipelines: Pipelines, name: str, version: str | None) -> dict:
     return {
         "name": pipeline.name, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
         "version_policy": _version_policy(entry.folder),
-        "max_batch_size": settings.max_batch_size,
+        "max_batch_size": batching.max_batch_size,
         "input": [{"name": i["name"], "data_type": f"TYPE_{i['datatype']}", "format": formats[i["datatype"]],
                    "dims": i["shape"][1:]} for i in metadata["inputs"]],
         "output": [{"name": o["name"], "data_type": f"TYPE_{o['datatype']}", "dims": o["shape"][1:]}
                    for o in metadata["outputs"]],
-        "dynamic_batching": {"max_queue_delay_microseconds": round(settings.max_queue_delay_ms * 1000),
+        "dynamic_batching": {"max_queue_delay_microseconds": round(batching.max_queue_delay_s * 1e6),
                              "priority_levels": settings.priority_levels,
                              "default_priority_level": settings.priority_levels},
         "instance_group": [instances],

@@ -43,6 +43,13 @@ class ModelStatus:
         return self.ready or self.error is not None or self.unloaded
 
 
+def graph_entry(entries: list[ModelEntry], status: dict[str, ModelStatus], key: str) -> ModelEntry:
+    """The model version whose graph runs a model version's batches (its status says which; itself until then):
+    whose manifest's batching it has (BatchingPolicy)."""
+    graph = getattr(status.get(key), "graph", None) or key
+    return next(e for e in entries if e.key == graph)
+
+
 @dataclass(eq=False)
 class Lease:
     """Records a request holds (records.py): what Backend.records gives, to fill and to run. The process backend's

@@ -69,6 +69,6 @@ class Boards:
         finally:
             self.own.counts[index] -= 1
 
-    def waiting(self, models: Sequence[int]) -> int:
+    def coming(self, models: Sequence[int]) -> int:
         """The requests on their way for these models, on every board."""
         return sum(int(board.counts[i]) for board in self._boards for i in models if i < len(board.counts))

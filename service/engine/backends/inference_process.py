@@ -169,7 +169,7 @@ class InferenceServer:
         fits = int(np.searchsorted(ends, batcher.room, "right"))
         if fits < len(kept):
             busy = overloaded(f"{model} is busy: {batcher.depth} images are queued, and more would pass its limit of "
-                              f"{batcher.queue_limit}; retry later", self.settings.retry_after_s)
+                              f"{batcher.policy.queue_limit}; retry later", self.settings.retry_after_s)
             self._fail(frame, kept[fits:], busy)
             kept, ends = kept[:fits], ends[:fits]
         if not len(kept):

@@ -27,6 +27,7 @@ from service.core.errors import BadInput, NotFound, ServiceError
 from service.core.metrics import Metrics
 from service.core.settings import Settings
 
+from ..batching import BatchingPolicy
 from ..records import KINDS, record_dtype
 from ..runtime import CPU, CUDA, Plan, Runner, serving_plan
 from . import ModelStatus
@@ -129,8 +130,9 @@ class ModelLifecycle:
         for graph, runner in self.runners.items():
             if runner.provider == CUDA and self.settings.gpu_decode:
                 from service.images.gpu_decode import gpu_decoder  # CuPy and nvImageCodec stay unimported on a CPU host
-                decoder, reason = await loop.run_in_executor(threads, gpu_decoder, self.by_key[graph].policy, graph,
-                                                             self.settings.max_batch_size)
+                decoder, reason = await loop.run_in_executor(
+                    threads, gpu_decoder, self.by_key[graph].policy, graph,
+                    BatchingPolicy.of(self.settings, self.by_key[graph]).max_batch_size)
                 if decoder is not None:
                     self.use_jpeg_decoder(graph, decoder)
                 else:
@@ -146,7 +148,7 @@ class ModelLifecycle:
         # first runs allocate memory and pick kernels: do them before the first request does
         h, w = entry.policy.size
         start, no_tensors = time.perf_counter(), np.zeros((0, 3, h, w), np.float32)
-        for batch in sorted({1, self.settings.max_batch_size}):
+        for batch in sorted({1, BatchingPolicy.of(self.settings, entry).max_batch_size}):
             images = runner.host_batch(batch)  # sizes this thread's batch buffer too
             images[:] = 0
             for _ in range(self.settings.warmup_runs):

@@ -25,7 +25,7 @@ from service.core.urgency import request_priority
 from service.explain.cache import AttentionCache, AttentionRecord
 from service.images.decode import upload_input
 
-from ..batching import Batcher, QueueFull
+from ..batching import Batcher, BatchingPolicy, QueueFull
 from ..heads import head
 from ..records import Part, host_inputs, kind_of, record_dtype, row_numbers, spans, write_results
 from ..runtime import Runner, batches_in_flight, choose_device, cuda_blocking_sync
@@ -89,17 +89,16 @@ class LocalBackend:
     def serve_graph(self, graph: str) -> None:
         models = [i for i, e in enumerate(self.entries) if self.models.plans[e.key].graph == graph]  # (board index)
         self.batchers[graph] = Batcher(
-            graph, self._run_batch(graph), self.inference, self.metrics, self.settings.max_batch_size,
-            self.settings.max_queue_delay_ms / 1000, self.settings.queue_limit, self.concurrency,
-            self.settings.priority_aging_ms / 1000, partial(self.boards.waiting, models),
-            partial(self._tell_jpeg_room, graph, models))
+            graph, self._run_batch(graph), self.inference, self.metrics,
+            BatchingPolicy.of(self.settings, self.models.by_key[graph]), self.concurrency,
+            partial(self.boards.coming, models), partial(self._tell_jpeg_room, graph, models))
         self._tell_jpeg_room(graph, models)
         self.batchers[graph].start()
 
     def _tell_jpeg_room(self, graph: str, models: list[int]) -> None:
         """The room in the graph's GPU decoder queue (VITSERVE_GPU_DECODE_QUEUE_BATCHES batches per inference
         thread, less the JPEGs waiting), for each of its models."""
-        limit = self.settings.gpu_decode_queue_batches * self.settings.max_batch_size * self.concurrency
+        limit = self.settings.gpu_decode_queue_batches * self.batchers[graph].policy.max_batch_size * self.concurrency
         for i in models:
             self.jpeg_room.tell(i, max(0, int(limit) - self.batchers[graph].jpegs))
 

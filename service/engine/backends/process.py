@@ -32,9 +32,10 @@ from service.core.settings import Settings
 from service.core.urgency import request_priority
 from service.explain.cache import AttentionRecord
 
+from ..batching import BatchingPolicy
 from ..records import kind_of, record_dtype
 from ..shared_memory import SharedIO
-from . import Lease, ModelStatus, wire
+from . import Lease, ModelStatus, graph_entry, wire
 from .arena import Arena
 from .board import JPEG_ROOM, Board
 from .heartbeat import HEARTBEAT, Heartbeat
@@ -293,7 +294,8 @@ class ProcessBackend:
         if (model, kind) not in self._arenas:
             entry = next(e for e in self.entries if e.key == model)
             # a worker never needs more slots than the whole queue may hold, plus one request being decoded
-            slots = self.settings.queue_limit + self.settings.max_files
+            queue = BatchingPolicy.of(self.settings, graph_entry(self.entries, self._status, model)).queue_limit
+            slots = queue + self.settings.max_files
             path = self.socket_path.parent / f"arena-{self._tag}-{model}-{kind}"
             self._arenas[model, kind] = Arena(path, record_dtype(entry, kind), slots)
         return self._arenas[model, kind]

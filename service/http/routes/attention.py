@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 from repository import InputPolicy
 from service.core.errors import NotFound
-from service.core.urgency import PRIORITY, TIMEOUT_MS, set_urgency
+from service.core.urgency import PRIORITY, TIMEOUT_MS, from_query
 from service.explain import maps
 from service.explain.cache import AttentionRecord
 from service.images.decode import decode
@@ -110,10 +110,13 @@ async def attention_map_for_image(
     priority: int | None = Query(None, ge=0, le=100, description=PRIORITY),
 ) -> Response:
     pipelines: Pipelines = request.app.state.pipelines
-    set_urgency(time.perf_counter(), timeout_ms and timeout_ms / 1e3, priority, pipelines.settings.priority_levels)
-    pipelines.get(model).check_attention()  # an unknown, unready or CNN model fails before the body is read
-    ((_, data),) = await read_images(request, ("file",), 1)
-    pipeline = pipelines.get(model)  # routed once the body is in (Pipelines.get)
+    from_query(time.perf_counter(), timeout_ms, priority, pipelines.settings.priority_levels)
+
+    async def read(chosen: Pipeline) -> list[tuple[str | None, bytes]]:
+        chosen.check_attention()  # a CNN model fails before the body is read too
+        return await read_images(request, ("file",), 1)
+
+    pipeline, ((_, data),) = await pipelines.routed(read, model)
     out = await pipeline.images([data], top_k=1, keep=True)
     record = pipeline.record(out, 0)
     top = predictions(pipeline, out, 1)[0][0]

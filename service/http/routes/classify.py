@@ -6,7 +6,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from service.core.urgency import PRIORITY, TIMEOUT_MS, set_urgency
+from service.core.urgency import PRIORITY, TIMEOUT_MS, from_query
 from service.pipeline.pipeline import Pipeline, Results
 from service.pipeline.served import Pipelines
 
@@ -50,12 +50,14 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
     start = time.perf_counter()
     model, top_k, attention = query.model, query.top_k, query.attention
     pipelines: Pipelines = request.app.state.pipelines
-    set_urgency(start, query.timeout_ms and query.timeout_ms / 1e3, query.priority, pipelines.settings.priority_levels)
-    chosen = pipelines.get(model)  # an unknown or unready model fails before the body is read
-    if attention:
-        chosen.check_attention()
-    uploads = await read_images(request, ("file", "files"), pipelines.settings.max_files)
-    pipeline = pipelines.get(model)  # routed once the body is in (Pipelines.get)
+    from_query(start, query.timeout_ms, query.priority, pipelines.settings.priority_levels)
+
+    async def read(chosen: Pipeline) -> list[tuple[str | None, bytes]]:
+        if attention:
+            chosen.check_attention()
+        return await read_images(request, ("file", "files"), pipelines.settings.max_files)
+
+    pipeline, uploads = await pipelines.routed(read, model)
     out = await pipeline.images([data for _, data in uploads], top_k, keep=attention)
     total_ms = (time.perf_counter() - start) * 1e3
     f = out.fields

@@ -8,7 +8,7 @@ import numpy as np
 from fastapi import APIRouter, Query, Request, Response
 
 from service.core.errors import BadInput
-from service.core.urgency import PRIORITY, TIMEOUT_MS, set_urgency
+from service.core.urgency import PRIORITY, TIMEOUT_MS, from_query
 from service.pipeline.faces import DetectorSettings, FaceBudget, Faces, FoundFaces
 from service.pipeline.pipeline import IMAGE_ERRORS, Pipeline
 from service.pipeline.served import Pipelines
@@ -45,17 +45,19 @@ async def expression(
     start = time.perf_counter()
     pipelines: Pipelines = request.app.state.pipelines
     settings = pipelines.settings
-    set_urgency(start, timeout_ms and timeout_ms / 1e3, priority, settings.priority_levels)
-    chosen = pipelines.get(model, task="expression")  # an unknown or unready model fails before the body is read
-    if attention:
-        chosen.check_attention()
-    uploads = await read_uploads(request, ("file", "files"), settings.max_files)
+    from_query(start, timeout_ms, priority, settings.priority_levels)
+
+    async def read(chosen: Pipeline) -> list[tuple[str, str | None, bytes]]:
+        if attention:
+            chosen.check_attention()
+        return await read_uploads(request, ("file", "files"), settings.max_files)
+
+    pipeline, uploads = await pipelines.routed(read, model, task="expression")
     if (fields := [field for field, _, _ in uploads]).count("file") > 1:  # several photos come as `files`
         raise BadInput(f"{fields.count('file')} 'file' parts; send one photo as 'file', or several as 'files'",
                        "one_image")
     detector = DetectorSettings(settings.face_min_size, max_faces or settings.face_max, settings.face_detect_side)
-    pipeline = pipelines.get(model, task="expression")  # routed once the body is in (Pipelines.get)
-    budget = FaceBudget(min(settings.face_request_max, settings.queue_limit))
+    budget = FaceBudget(min(settings.face_request_max, pipeline.batching.queue_limit))
     if not detect:  # each photo is one face: known before any work
         budget.take(len(uploads))
         budget.check()

@@ -22,21 +22,12 @@ from pydantic import BaseModel, Field, ValidationError
 
 from service.core.errors import BadInput, TooLarge
 from service.core.thread_names import name_pool_thread
-from service.core.urgency import PRIORITY, TIMEOUT_US_MAX, set_urgency
+from service.core.urgency import PRIORITY, TIMEOUT_US_MAX, from_parameters
 from service.engine.shared_memory import Slice
 from service.pipeline.pipeline import Pipeline
 from service.pipeline.served import Pipelines
-from service.protocol.open_inference import (
-    Batch,
-    check_shared_tensors,
-    extensions,
-    find_model,
-    model_config,
-    model_inputs,
-    model_outputs,
-    served_metadata,
-    shared_outputs,
-)
+from service.protocol.open_inference import (Batch, check_shared_tensors, extensions, find_model, model_config,
+                                             model_inputs, model_outputs, served_metadata, shared_outputs)
 from service.protocol.statistics import current_statistics
 
 from .shared_memory import client_host
@@ -251,17 +242,22 @@ async def infer(request: Request, name: str) -> Response:
 @router.post("/models/{name}/versions/{version_}/infer", **INFER)
 async def infer_version(request: Request, name: str, version_: str | None) -> Response:
     start = time.perf_counter()
-    first = _pipelines(request).get(name, version=version_)  # an unknown or unready model fails before the body
-    body = await read_body(request, _pipelines(request).settings.max_json_bytes)
-    length, parsed = request.headers.get(HEADER_LENGTH), None
-    if _json_end(body, length) > INLINE_JSON_BYTES:
-        parsed = await asyncio.get_running_loop().run_in_executor(_json_thread, parse_request, body, length, first)
-    pipeline = _pipelines(request).get(name, version=version_)  # routed once the body is in (Pipelines.get)
+    pipelines, length = _pipelines(request), request.headers.get(HEADER_LENGTH)
+
+    async def read(first: Pipeline) -> tuple[Pipeline, bytes | bytearray, tuple | None]:
+        """The body, and where its JSON is large, the request parsed for `first` (in a thread of its own)."""
+        body, parsed = await read_body(request, pipelines.settings.max_json_bytes), None
+        if _json_end(body, length) > INLINE_JSON_BYTES:
+            parsed = await asyncio.get_running_loop().run_in_executor(_json_thread, parse_request, body, length,
+                                                                      first)
+        return first, body, parsed
+
+    pipeline, (first, body, parsed) = await pipelines.routed(read, name, version=version_)
     if parsed is None or pipeline is not first:  # (reloaded while it was parsed: rare, checked again here)
         parsed = parse_request(body, length, pipeline)
     header, (images, pixels) = parsed
-    timeout_us, priority = header.parameters.timeout, header.parameters.priority
-    set_urgency(start, timeout_us and timeout_us / 1e6, priority, pipeline.settings.priority_levels)
+    given = header.parameters
+    from_parameters(start, {"timeout": given.timeout, "priority": given.priority}, pipeline.settings.priority_levels)
     shared = requested_shared(pipeline, header)
     check_shared_tensors(_pipelines(request), client_host(request), (images, pixels), shared)
     out = await pipeline.tensors(images, pixels, shared)
