@@ -30,7 +30,7 @@ from service_process import (ROOT, direct_probabilities, every_worker_on, free_p
 from service.engine.backends import wire
 from service.engine.backends.process import ProcessBackend
 from service.engine.backends.inference_process import InferenceServer
-from service.explain.cache import AttentionRecord
+from service.explain.cache import AttentionResult
 from service.core.errors import Unavailable
 from service.protocol.grpc_server import SERVICE
 from service.protocol import open_inference_pb2 as pb
@@ -157,10 +157,10 @@ def test_workers_share_one_inference_process_its_batches_and_its_attention_resul
                     await asyncio.sleep(0.01)
             else:
                 pytest.fail("the slots of a cancelled request never came back")
-            assert await first.recall("nope") is None
-            kept = AttentionRecord("shapes-deit", {"cls_attention": want[1][0]}, pixels[0], pixels[0], (96, 96))
-            assert await first.keep("key", kept)
-            back = await second.recall("key")  # the other worker sees it
+            assert await first.recall_attention("nope") is None
+            kept = AttentionResult("shapes-deit", {"cls_attention": want[1][0]}, pixels[0], pixels[0], (96, 96))
+            assert await first.store_attention("key", kept)
+            back = await second.recall_attention("key")  # the other worker sees it
             assert back.model == "shapes-deit" and back.size == (96, 96)
             np.testing.assert_array_equal(back.attention["cls_attention"], want[1][0])
             layers = await second.explain("shapes-deit", pixels[0])

@@ -33,7 +33,7 @@ from repository import InputPolicy, ModelEntry, read_entry
 from service.engine.backends.board import Boards
 from service.engine.batching import Batcher, BatchingPolicy, QueueFull
 from service.images.avif_header import largest_frame
-from service.explain.cache import AttentionCache, AttentionRecord
+from service.explain.cache import AttentionCache, AttentionResult
 from service.images.decode import decode, decode_size, model_input, resize_and_crop, upload_input
 from service.core.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
 from service.engine.heads import head, top_k
@@ -689,8 +689,8 @@ def test_a_sessions_own_warnings_show_at_debug_level(tmp_path, capfd, level):
 # -- the attention cache -----------------------------------------------------------------------------------------
 
 def test_attention_cache_is_bounded_by_count_bytes_and_age():
-    def record(nbytes: int) -> AttentionRecord:
-        return AttentionRecord("m", {"cls_attention": np.zeros(2, np.float32)}, np.zeros((2, 2, 3), np.uint8),
+    def record(nbytes: int) -> AttentionResult:
+        return AttentionResult("m", {"cls_attention": np.zeros(2, np.float32)}, np.zeros((2, 2, 3), np.uint8),
                                np.zeros(nbytes, np.uint8), (1, 1))
 
     cache = AttentionCache(max_items=3, max_bytes=1000, ttl_s=60)

@@ -9,7 +9,7 @@ import numpy as np
 
 
 @dataclass
-class AttentionRecord:
+class AttentionResult:
     """What a map needs, kept from the one decode of the upload: nothing is decoded again."""
     model: str
     attention: dict[str, np.ndarray]  # this image's rows of the attention outputs (copies, not batch views)
@@ -28,7 +28,7 @@ class AttentionRecord:
 class AttentionCache:
     def __init__(self, max_items: int, max_bytes: int, ttl_s: float):
         self.max_items, self.max_bytes, self.ttl_s = max_items, max_bytes, ttl_s
-        self._items: OrderedDict[str, AttentionRecord] = OrderedDict()
+        self._items: OrderedDict[str, AttentionResult] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -39,7 +39,7 @@ class AttentionCache:
     def nbytes(self) -> int:
         return self._bytes
 
-    def put(self, key: str, record: AttentionRecord) -> bool:
+    def put(self, key: str, record: AttentionResult) -> bool:
         """Store a record; False when it alone is larger than the whole cache."""
         if record.nbytes > self.max_bytes:
             return False
@@ -51,7 +51,7 @@ class AttentionCache:
                 self._drop(next(iter(self._items)))
         return True
 
-    def get(self, key: str) -> AttentionRecord | None:
+    def get(self, key: str) -> AttentionResult | None:
         with self._lock:
             record = self._items.get(key)
             if record is None:

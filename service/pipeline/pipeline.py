@@ -30,7 +30,7 @@ from service.engine.batching import BatchingPolicy
 from service.engine.heads import head
 from service.engine.records import TIMINGS, output_names, record_dtype, results
 from service.engine.shared_memory import SharedIO, SharedTensor, Slice
-from service.explain.cache import AttentionRecord
+from service.explain.cache import AttentionResult
 from service.images.decode import Photo, decode, decode_size, model_input, upload_input
 from service.images.gpu_decode import is_jpeg
 
@@ -66,7 +66,7 @@ class Job:
     n: int
     fill: Fill
     top_k: int = 1  # labels per image the answer needs; 0: the graph's outputs alone (KServe v2)
-    keep: bool = False  # the photos and the model inputs kept, for attention maps
+    for_maps: bool = False  # the photos and the model inputs kept, for attention maps
     in_pool: bool = True  # filled in the decode pool (False: a copy of tensors, no decode: not worth a hop)
     jpegs: list[bytes] | None = None  # "jpeg" records' bytes
     shared: SharedIO | None = None  # where a KServe v2 request's input and outputs lie in shared memory
@@ -121,12 +121,12 @@ class Pipeline:
         """The batching of the graph that runs this model's batches (its manifest's, where it has one)."""
         return BatchingPolicy.of(self.settings, graph_entry(self.backend.entries, self.backend.status(), self.key))
 
-    async def images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False) -> Results:
+    async def images(self, uploads: list[bytes], top_k: int = 1, for_maps: bool = False) -> Results:
         """`run_images`, where the response cache is on (and no photo is kept for a map) for the uploads it has not
         answered before on this model version with this top_k; the others are answered from it, without a decode
         or a batch (their rows' batch_size and times 0)."""
-        if self.responses is None or keep:
-            return await self.run_images(uploads, top_k, keep)
+        if self.responses is None or for_maps:
+            return await self.run_images(uploads, top_k, for_maps)
         start = time.perf_counter()
         keys = await asyncio.get_running_loop().run_in_executor(  # hashing megabytes is no work for the loop
             self.decode_pool, lambda: [upload_key(self.key, self.loads, top_k, data) for data in uploads])
@@ -151,14 +151,14 @@ class Pipeline:
                        errors={i: out.errors[j] for i, j in at.items() if j in out.errors})
 
     @counted
-    async def run_images(self, uploads: list[bytes], top_k: int = 1, keep: bool = False, answered: int = 0
+    async def run_images(self, uploads: list[bytes], top_k: int = 1, for_maps: bool = False, answered: int = 0
                          ) -> Results:
         """Each upload decoded into one image record and run; where the backend decodes JPEGs on the GPU (and no
         photo is kept for a map), JPEGs go there undecoded. An upload that cannot be read fails alone (in
         Results.errors) where others can be answered, these or the request's `answered` elsewhere (the response
         cache's); where none can, its error is the request's. The request's deadline is checked between uploads:
         a decode is not interrupted, so the 504 comes at most one upload's decode late."""
-        if self._to_gpu(uploads, keep):
+        if self._to_gpu(uploads, for_maps):
             try:
                 out = await self._jpegs(uploads, top_k)
                 self._decoded_on["gpu"].inc(len(uploads))
@@ -176,7 +176,7 @@ class Pipeline:
                     check_deadline(deadline, self.name, f"after {i} of its {len(uploads)} images' decode")
                 start = time.perf_counter()
                 try:
-                    if keep:  # the photo itself, for the maps drawn over it
+                    if for_maps:  # the photo itself, for the maps drawn over it
                         photos.append(decode(data, self.policy.draft_side, self.settings.max_image_pixels))
                         records["image"][i] = model_input(photos[-1].image, self.policy)
                     else:
@@ -185,21 +185,21 @@ class Pipeline:
                     if len(errors) + 1 == len(uploads) and not answered:
                         raise
                     errors[i], records["image"][i] = e, 0
-                    if keep and len(photos) == i:  # (not decoded)
+                    if for_maps and len(photos) == i:  # (not decoded)
                         photos.append(None)
                 decode_ms.append(self._decoded(start))
-            return decode_ms, photos if keep else None
+            return decode_ms, photos if for_maps else None
 
-        out = await self._run(Job("image", len(uploads), fill, top_k, keep))
+        out = await self._run(Job("image", len(uploads), fill, top_k, for_maps))
         out.errors = errors
         self._decoded_on["cpu"].inc(len(uploads) - len(errors))
         return out
 
-    def _to_gpu(self, uploads: list[bytes], keep: bool) -> bool:
+    def _to_gpu(self, uploads: list[bytes], for_maps: bool) -> bool:
         """The decode router: JPEGs go to the GPU's decoder, undecoded, where the model has one, no photo is kept
         for a map, and its queue has room for them; else the CPU decodes them here. So the GPU takes uploads while
         its decode backlog is short and the decode threads the rest, whatever the load (no fixed ratio)."""
-        return (not keep and self.backend.status()[self.key].decode == "gpu" and all(map(is_jpeg, uploads))
+        return (not for_maps and self.backend.status()[self.key].decode == "gpu" and all(map(is_jpeg, uploads))
                 and self.backend.gpu_room(self.key) >= len(uploads))
 
     async def _jpegs(self, uploads: list[bytes], top_k: int) -> Results:
@@ -245,14 +245,14 @@ class Pipeline:
         return FoundFaces(size, found, crops, self._decoded(start))
 
     @counted
-    async def run_faces(self, faces: FoundFaces, keep: bool = False) -> Results:
+    async def run_faces(self, faces: FoundFaces, for_maps: bool = False) -> Results:
         """A photo's aligned faces run in one batch (none: no batch, the deadline still checked)."""
         def fill(records: np.ndarray) -> tuple[list[float], list[Photo] | None]:
             for i, face in enumerate(faces.crops):
                 records["image"][i] = model_input(face.image, self.policy)
-            return [faces.found_ms] * len(faces.crops), faces.crops if keep else None
+            return [faces.found_ms] * len(faces.crops), faces.crops if for_maps else None
 
-        return await self._run(Job("image", len(faces.crops), fill, 1, keep))
+        return await self._run(Job("image", len(faces.crops), fill, 1, for_maps))
 
     def _detector(self) -> FaceDetector:
         if self.detector is None:
@@ -330,7 +330,8 @@ class Pipeline:
                 await self._batch(job, lease)
             self._queue_seconds().observe(float(records["queue_ms"][0]) / 1e3)
             fields = self.fields if job.top_k else self.output_fields
-            return Results(results(records, fields), decode_ms, photos, records["image"].copy() if job.keep else None)
+            inputs = records["image"].copy() if job.for_maps else None
+            return Results(results(records, fields), decode_ms, photos, inputs)
 
     async def _fill(self, job: Job, lease: Lease) -> tuple[list[float], list[Photo | None] | None, bool]:
         """The job's records filled: each image's decode ms, the photos where kept, and whether they ran too (in
@@ -385,18 +386,18 @@ class Pipeline:
                            f"{self.entry.manifest['family']}; maps come from ViT, DeiT and Swin models). Ask without "
                            "attention, or name another model", "no_attention")
 
-    def record(self, out: Results, i: int) -> AttentionRecord:
-        """Image i's attention result (of a request run with keep=True)."""
+    def attention_result(self, out: Results, i: int) -> AttentionResult:
+        """Image i's attention result (of a request run with for_maps=True)."""
         photo = out.photos[i]
         backdrop = np.asarray(photo.image) if photo.upload is None else np.frombuffer(photo.upload, np.uint8)
         # copies, not views of the request's rows: the cache's byte count is then what it holds
-        return AttentionRecord(self.key, {k: out.fields[k][i].copy() for k in self.attention_outputs},
+        return AttentionResult(self.key, {k: out.fields[k][i].copy() for k in self.attention_outputs},
                                out.inputs[i].copy(), backdrop, tuple(photo.size))
 
-    async def keep(self, out: Results, i: int) -> str | None:
+    async def store_attention(self, out: Results, i: int) -> str | None:
         """Store image i's attention result for GET /attention-map: its id, or None if it does not fit (or the image
         could not be read)."""
         if i in out.errors:
             return None
         key = uuid.uuid4().hex
-        return key if await self.backend.keep(key, self.record(out, i)) else None
+        return key if await self.backend.store_attention(key, self.attention_result(out, i)) else None

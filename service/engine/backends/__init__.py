@@ -17,7 +17,7 @@ import numpy as np
 
 from repository import ModelEntry
 from service.core.errors import ServiceError
-from service.explain.cache import AttentionRecord
+from service.explain.cache import AttentionResult
 
 from ..shared_memory import SharedIO
 
@@ -129,10 +129,10 @@ class Backend(Protocol):
     async def region_status(self, name: str) -> list[dict]:
         """The regions registered (the one named, where `name` is not empty): name, key, offset, byte_size."""
 
-    async def keep(self, key: str, record: AttentionRecord) -> bool:
+    async def store_attention(self, key: str, result: AttentionResult) -> bool:
         """Store an attention result for GET /attention-map; False if it does not fit."""
 
-    async def recall(self, key: str) -> AttentionRecord | None: ...
+    async def recall_attention(self, key: str) -> AttentionResult | None: ...
 
     async def close(self) -> None:
         """Finish what was accepted, then release the sessions."""

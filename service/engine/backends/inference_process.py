@@ -298,8 +298,8 @@ class InferenceServer:
             return {}, {}
         if op == Op.INDEX:
             return {"models": await backend.models.index()}, {}
-        if op == Op.KEEP:
-            return {"kept": await backend.keep(message["key"], wire.record_from_wire(message, arrays))}, {}
+        if op == Op.STORE_ATTENTION:
+            return {"kept": await backend.store_attention(message["key"], wire.result_from_wire(message, arrays))}, {}
         if op == Op.REGISTER_REGION:
             await backend.register_region(message["name"], message["key"], message["offset"], message["byte_size"])
             return {}, {}
@@ -308,9 +308,9 @@ class InferenceServer:
             return {}, {}
         if op == Op.REGION_STATUS:
             return {"regions": await backend.region_status(message["name"])}, {}
-        if op == Op.RECALL:
-            record = await backend.recall(message["key"])
-            return wire.record_to_wire(record) if record is not None else ({"missing": True}, {})
+        if op == Op.RECALL_ATTENTION:
+            record = await backend.recall_attention(message["key"])
+            return wire.result_to_wire(record) if record is not None else ({"missing": True}, {})
         raise ServiceError(f"unknown operation {op!r}")
 
 

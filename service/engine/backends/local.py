@@ -22,7 +22,7 @@ from service.core.metrics import Metrics
 from service.core.settings import Settings
 from service.core.thread_names import name_pool_thread
 from service.core.urgency import request_priority
-from service.explain.cache import AttentionCache, AttentionRecord
+from service.explain.cache import AttentionCache, AttentionResult
 from service.images.decode import upload_input
 
 from ..batching import Batcher, BatchingPolicy, QueueFull
@@ -250,10 +250,10 @@ class LocalBackend:
     async def region_status(self, name: str) -> list[dict]:
         return self.regions.status(name)
 
-    async def keep(self, key: str, record: AttentionRecord) -> bool:
-        return self.cache.put(key, record)
+    async def store_attention(self, key: str, result: AttentionResult) -> bool:
+        return self.cache.put(key, result)
 
-    async def recall(self, key: str) -> AttentionRecord | None:
+    async def recall_attention(self, key: str) -> AttentionResult | None:
         return self.cache.get(key)
 
 

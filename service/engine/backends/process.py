@@ -30,7 +30,7 @@ from service.core import tracing
 from service.core.errors import Unavailable, from_wire, overloaded
 from service.core.settings import Settings
 from service.core.urgency import request_priority
-from service.explain.cache import AttentionRecord
+from service.explain.cache import AttentionResult
 
 from ..batching import BatchingPolicy
 from ..records import kind_of, record_dtype
@@ -415,14 +415,14 @@ class ProcessBackend:
         reply, _ = await self._ask({"op": Op.REGION_STATUS, "name": name})
         return reply["regions"]
 
-    async def keep(self, key: str, record: AttentionRecord) -> bool:
-        message, arrays = wire.record_to_wire(record)
-        reply, _ = await self._ask({"op": Op.KEEP, "key": key, **message}, arrays)
+    async def store_attention(self, key: str, result: AttentionResult) -> bool:
+        message, arrays = wire.result_to_wire(result)
+        reply, _ = await self._ask({"op": Op.STORE_ATTENTION, "key": key, **message}, arrays)
         return reply["kept"]
 
-    async def recall(self, key: str) -> AttentionRecord | None:
-        message, arrays = await self._ask({"op": Op.RECALL, "key": key})
-        return None if message.get("missing") else wire.record_from_wire(message, arrays)
+    async def recall_attention(self, key: str) -> AttentionResult | None:
+        message, arrays = await self._ask({"op": Op.RECALL_ATTENTION, "key": key})
+        return None if message.get("missing") else wire.result_from_wire(message, arrays)
 
     async def close(self) -> None:
         if self._writer is not None:

@@ -13,7 +13,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from service.explain.cache import AttentionRecord
+from service.explain.cache import AttentionResult
 
 _SIZES = struct.Struct("<II")  # header bytes, array bytes
 
@@ -35,7 +35,7 @@ class Op(StrEnum):
       CANCEL  a request of a frame (by its place in it) given up (client gone, timeout): its slots leave the
               queue
     A worker asks, and the reply carries the same "id" (and "error" where it failed):
-      EXPLAIN, LOAD, UNLOAD, INDEX, KEEP, RECALL, REGISTER_REGION, UNREGISTER_REGION, REGION_STATUS
+      EXPLAIN, LOAD, UNLOAD, INDEX, STORE_ATTENTION, RECALL_ATTENTION, REGISTER_REGION, UNREGISTER_REGION, REGION_STATUS
     """
     HELLO = "hello"
     STATUS = "status"
@@ -49,8 +49,8 @@ class Op(StrEnum):
     LOAD = "load"
     UNLOAD = "unload"
     INDEX = "index"
-    KEEP = "keep"
-    RECALL = "recall"
+    STORE_ATTENTION = "store_attention"
+    RECALL_ATTENTION = "recall_attention"
     REGISTER_REGION = "register_region"
     UNREGISTER_REGION = "unregister_region"
     REGION_STATUS = "region_status"
@@ -76,12 +76,12 @@ async def receive(reader: asyncio.StreamReader) -> tuple[dict, dict[str, np.ndar
     return message, arrays
 
 
-def record_to_wire(record: AttentionRecord) -> tuple[dict, dict[str, np.ndarray]]:
+def result_to_wire(record: AttentionResult) -> tuple[dict, dict[str, np.ndarray]]:
     attention = {f"attention/{k}": v for k, v in record.attention.items()}
     arrays = {"image": record.image, "photo": record.photo, **attention}
     return {"model": record.model, "size": list(record.size)}, arrays
 
 
-def record_from_wire(message: dict, arrays: dict[str, np.ndarray]) -> AttentionRecord:
+def result_from_wire(message: dict, arrays: dict[str, np.ndarray]) -> AttentionResult:
     attention = {k.removeprefix("attention/"): v for k, v in arrays.items() if k.startswith("attention/")}
-    return AttentionRecord(message["model"], attention, arrays["image"], arrays["photo"], tuple(message["size"]))
+    return AttentionResult(message["model"], attention, arrays["image"], arrays["photo"], tuple(message["size"]))

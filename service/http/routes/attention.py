@@ -17,7 +17,7 @@ from repository import InputPolicy
 from service.core.errors import NotFound
 from service.core.urgency import PRIORITY, TIMEOUT_MS, from_query
 from service.explain import maps
-from service.explain.cache import AttentionRecord
+from service.explain.cache import AttentionResult
 from service.images.decode import decode
 from service.pipeline.pipeline import Pipeline
 from service.pipeline.served import Pipelines
@@ -46,7 +46,7 @@ class MapOptions:
         self.overlay, self.alpha, self.colormap, self.max_side = overlay, alpha, colormap, max_side
 
 
-async def render(pipeline: Pipeline, record: AttentionRecord, options: MapOptions, extra: dict | None = None,
+async def render(pipeline: Pipeline, record: AttentionResult, options: MapOptions, extra: dict | None = None,
                  headers: dict[str, str] | None = None) -> Response:
     attention, policy = pipeline.entry.attention, pipeline.policy
     if options.method == "rollout":
@@ -67,7 +67,7 @@ async def render(pipeline: Pipeline, record: AttentionRecord, options: MapOption
     return Response(png, media_type="image/png", headers=headers)
 
 
-def draw(record: AttentionRecord, grid: np.ndarray, policy: InputPolicy, options: MapOptions, max_pixels: int) -> bytes:
+def draw(record: AttentionResult, grid: np.ndarray, policy: InputPolicy, options: MapOptions, max_pixels: int) -> bytes:
     """The PNG over the photo kept, or over the upload (a 1-D record.photo) decoded as reduced as it can be (a JPEG's
     draft mode) while its longest side stays at least max_side."""
     photo = record.photo
@@ -85,7 +85,7 @@ def draw(record: AttentionRecord, grid: np.ndarray, policy: InputPolicy, options
 async def attention_map(request: Request, id: str = Query(..., description="an image id from /classify"),
                         options: MapOptions = Depends()) -> Response:
     pipelines: Pipelines = request.app.state.pipelines
-    record = await pipelines.backend.recall(id)
+    record = await pipelines.backend.recall_attention(id)
     if record is None:
         ttl = pipelines.settings.attention_ttl_s
         raise NotFound(f"no attention result with id {id!r}: it expired (results are kept {ttl:g}s, and the least "
@@ -117,8 +117,8 @@ async def attention_map_for_image(
         return await read_images(request, ("file",), 1)
 
     pipeline, ((_, data),) = await pipelines.routed(read, model)
-    out = await pipeline.images([data], top_k=1, keep=True)
-    record = pipeline.record(out, 0)
+    out = await pipeline.images([data], top_k=1, for_maps=True)
+    record = pipeline.attention_result(out, 0)
     top = predictions(pipeline, out, 1)[0][0]
     return await render(pipeline, record, options, {"prediction": top},
                         {"X-Prediction": f"{top['label']} {top['score']:.4f}"})

@@ -58,7 +58,7 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
         return await read_images(request, ("file", "files"), pipelines.settings.max_files)
 
     pipeline, uploads = await pipelines.routed(read, model)
-    out = await pipeline.images([data for _, data in uploads], top_k, keep=attention)
+    out = await pipeline.images([data for _, data in uploads], top_k, for_maps=attention)
     total_ms = (time.perf_counter() - start) * 1e3
     f = out.fields
     timings = zip(out.decode_ms, f["queue_ms"].tolist(), f["inference_ms"].tolist(), f["batch_size"].tolist())
@@ -68,7 +68,7 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
         if (error := out.errors.get(i)) is not None:  # this file alone could not be read
             results.append({"filename": filename, "error": {"code": error.code, "message": error.message}})
             continue
-        key = await pipeline.keep(out, i) if attention else None
+        key = await pipeline.store_attention(out, i) if attention else None
         results.append({
             "id": key or uuid.uuid4().hex, "filename": filename, "predictions": best, "batch_size": batch,
             "timings_ms": {"decode_ms": decode_ms, "queue_ms": queue_ms, "inference_ms": inference_ms,

@@ -96,11 +96,11 @@ def raise_for_request(answers: list) -> None:
 
 async def faces_of(pipeline: Pipeline, photo: FoundFaces, attention: bool, start: float) -> dict:
     """One photo's answer: its size, its faces with their expressions, and the timings."""
-    out = await pipeline.run_faces(photo, keep=attention)
+    out = await pipeline.run_faces(photo, for_maps=attention)
     size, found = photo.size, photo.found
     labels, f, faces = pipeline.entry.labels, out.fields, []
     for i, (probs, batch) in enumerate(zip(f.get("probs", []), f.get("batch_size", []))):
-        key = await pipeline.keep(out, i) if attention else None
+        key = await pipeline.store_attention(out, i) if attention else None
         best = int(probs.argmax())
         faces.append({"id": key or uuid.uuid4().hex, **(face_geometry(found, i, pipeline) if found else
                                                          {"box": [0, 0, *size], "landmarks": None,
