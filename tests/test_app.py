@@ -1,6 +1,7 @@
 """The HTTP layer in this process: create_app takes a backend, so routes, errors and limits are tested without a
 server process, over the real LocalBackend or over a backend that misbehaves on purpose."""
 import asyncio
+import dataclasses
 import json
 import shutil
 import threading
@@ -9,16 +10,21 @@ from contextlib import contextmanager
 import httpx
 import numpy as np
 import pytest
+from fastapi import APIRouter, Request
 from fastapi.routing import iter_route_contexts
-from service_process import ROOT, direct_probabilities, metric, photo_bytes
+from pydantic import BaseModel
+from service_process import ROOT, direct_probabilities, metric, photo_bytes, write_model
 
-from repository import RepositoryError, servable
+from repository import ModelEntry, RepositoryError, servable
 from service.http.app import create_app
 from service.engine.backends import Lease, ModelStatus
 from service.engine.backends.local import LocalBackend
 from service.core.errors import overloaded
 from service.core.metrics import Metrics
+from service.engine.heads import HEADS, OUTPUTS_ONLY
 from service.engine.records import record_dtype
+from service.http.routes.uploads import read_images
+from service.pipeline.pipeline import Pipeline
 from service.core.settings import Settings
 
 REPO = ROOT / "model_repository"
@@ -57,6 +63,56 @@ def test_the_app_over_a_local_backend_in_this_process():
     arrays = [a for r in records for a in (r.image, r.photo, *r.attention.values())]
     assert len(records) == 3 and not any(isinstance(a.base, np.ndarray) for a in arrays)
     assert backend.cache.nbytes == sum(a.nbytes for a in arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class Argmax:
+    """A task's head of the test's own: each image's best label, and nothing else."""
+
+    @classmethod
+    def of(cls, entry: ModelEntry) -> "Argmax":
+        return cls()
+
+    def fields(self) -> list[tuple]:
+        return [("best", np.int32)]
+
+    def finish(self, outputs: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
+        return {} if k == OUTPUTS_ONLY else {"best": outputs["logits"].argmax(axis=1).astype(np.int32)}
+
+
+argmax_route = APIRouter()
+
+
+class Best(BaseModel):
+    label: str
+
+
+@argmax_route.post("/argmax", response_model=Best)
+async def argmax(request: Request, model: str) -> dict:
+    async def read(chosen: Pipeline) -> list[tuple[str | None, bytes]]:
+        return await read_images(request, ("file",), 1)
+
+    pipeline, ((_, data),) = await request.app.state.pipelines.routed(read, model, task="argmax")
+    out = await pipeline.images([data])
+    return {"label": pipeline.entry.labels[int(out.fields["best"][0])]}
+
+
+def test_a_new_task_is_a_head_and_a_route_and_nothing_else(tmp_path, monkeypatch):
+    """A model exported with a task of its own ("argmax"): its head registered and its route added, nothing else
+    of the service changed, and it serves; /classify takes it for what it is (a 400 naming its task)."""
+    write_model(tmp_path / "shapes-argmax", REPO / "shapes-vit", "shapes-argmax", task="argmax")
+    write_model(tmp_path / "shapes-vit", REPO / "shapes-vit", "shapes-vit")
+    monkeypatch.setitem(HEADS, "argmax", Argmax.of)
+    settings = Settings(model_repository=tmp_path, warmup_runs=0)
+    app = create_app(settings, LocalBackend(settings, Metrics()), metrics=Metrics())
+    app.include_router(argmax_route)
+    best, elsewhere = asyncio.run(call(app, [
+        ("POST", "/argmax", {"files": {"file": ("a.jpg", JPEG)}, "params": {"model": "shapes-argmax"}}),
+        ("POST", "/expression", {"files": {"file": ("a.jpg", JPEG)}, "params": {"model": "shapes-argmax"}})]))
+    labels = json.loads((REPO / "shapes-vit" / "manifest.json").read_text())["labels"]
+    assert best.status_code == 200, best.text
+    assert best.json() == {"label": labels[int(np.argmax(direct_probabilities(REPO / "shapes-vit", JPEG)))]}
+    assert elsewhere.status_code == 400 and "of task argmax" in elsewhere.json()["error"]["message"]
 
 
 class Misbehaving:

@@ -32,7 +32,7 @@ from service.core.errors import ServiceError
 from service.core.metrics import Metrics
 from service.core.settings import Settings
 
-from .records import KINDS, Part, Rows, count, kind_of
+from .records import KINDS, Kind, Part, Rows, count, kind_of
 
 log = logging.getLogger("vitserve")
 
@@ -53,11 +53,14 @@ class Entry:
     enqueued: float
     on_taken: Callable[[], None] | None  # called once every row is in a batch that started
     left: int  # rows without results yet
-    kind: str = ""
     errors: dict[int, Exception] = field(default_factory=dict)
     batches: set[asyncio.Task] = field(default_factory=set)  # the started batches that hold some of its rows
     traces: list[str | None] = field(default_factory=list)  # its requests' traceparents, where traces are on
     priority: int = 0  # its level, 1 first; 0: the default (the last level)
+
+    @property
+    def kind(self) -> Kind:
+        return kind_of(self.records)
 
 
 @dataclass(frozen=True)
@@ -181,8 +184,8 @@ class Batcher:
             raise QueueFull(f"{self.name} is busy: {self.depth} images are queued, and this request's {n} would pass "
                             f"its limit of {self.policy.queue_limit}; retry later")
         future = asyncio.get_running_loop().create_future()
-        entry = Entry(records, rows, top_k, inputs, future, time.perf_counter(), on_taken, n, kind_of(records),
-                      traces=traces or [], priority=priority)
+        entry = Entry(records, rows, top_k, inputs, future, time.perf_counter(), on_taken, n, traces=traces or [],
+                      priority=priority)
         future.add_done_callback(lambda f: f.cancelled() and self._abandon(entry))
         self._queue.append(entry)
         self._ranked += priority > 0
@@ -214,7 +217,7 @@ class Batcher:
     def _counted(self, entry: Entry, n: int) -> None:
         """n of the entry's images joined the queue (n < 0: left it, into a batch or with their request)."""
         self.depth += n
-        if entry.kind == "jpeg":
+        if entry.kind == Kind.JPEG:
             self.jpegs += n
 
     def _tell_depth(self) -> None:
@@ -278,7 +281,7 @@ class Batcher:
                 inputs = None
                 if entry.inputs is not None:
                     inputs, entry.inputs = entry.inputs[:n], entry.inputs[n:]
-                taken.append((entry, Part(entry.records, rows, entry.top_k, inputs, entry.kind)))
+                taken.append((entry, Part(entry.records, rows, entry.top_k, inputs)))
                 room -= n
                 self._counted(entry, -n)
                 if not count(entry.rows):

@@ -6,14 +6,29 @@ Classification and expression models share one head: the logits' scores (a softm
 a multi-label classifier: the manifest's `scores`) and their top k, k the most any request of the batch asked for.
 A batch of requests that ask for none (KServe v2 clients, who get the graph's outputs alone) costs nothing here.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import cache
+from typing import Protocol
 
 import numpy as np
 
 from repository import ModelEntry
 
 MAX_TOP_K = 100
+OUTPUTS_ONLY = 0  # a request's top_k that asks for the graph's outputs alone (KServe v2): no head runs for it
+
+
+class Head(Protocol):
+    """What a task makes of its graph's outputs, per image, once per batch (Classifier is the one shipped)."""
+
+    def fields(self) -> list[tuple]:
+        """The fields of a record that this head fills (numpy structured dtype fields)."""
+
+    def finish(self, outputs: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
+        """The batch's rows of each field, from its outputs, where its requests ask for k labels each at most
+        (OUTPUTS_ONLY: nothing)."""
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -66,18 +81,24 @@ class Classifier:
 
     def finish(self, outputs: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
         """The batch's rows of each field, from its outputs, where its requests ask for k labels each at most
-        (0: none); a field narrower than the record's fills the record's first columns."""
-        if k == 0:
+        (OUTPUTS_ONLY: none); a field narrower than the record's fills the record's first columns."""
+        if k == OUTPUTS_ONLY:
             return {}
         probs = SCORES[self.scores](outputs["logits"].astype(np.float32))
         index, score = top_k(probs, min(k, self.top))
         return {"probs": probs, "top_index": index, "top_score": score}
 
 
-HEADS = {"classification": Classifier.of, "expression": Classifier.of}  # by the manifest's task
+class Task(StrEnum):
+    """The tasks the service's own routes serve (a manifest's `task`); HEADS may hold others, each with its route."""
+    CLASSIFICATION = "classification"  # POST /classify, and /v2
+    EXPRESSION = "expression"  # POST /expression: the faces found in photos, each classified
+
+
+HEADS: dict[str, Callable[[ModelEntry], Head]] = {Task.CLASSIFICATION: Classifier.of, Task.EXPRESSION: Classifier.of}
 
 
 @cache
-def head(entry: ModelEntry) -> Classifier:
+def head(entry: ModelEntry) -> Head:
     """The head of a model version's task."""
     return HEADS[entry.task](entry)

@@ -5,36 +5,44 @@ in it, runs, and writes each image's results (its rows of every output, softmax,
 that image's record, once per batch and vectorised. The records are plain memory in this process, or slots of
 a worker's shared memory under the process backend: the same code fills both.
 
-Three kinds per model: "image" records carry uint8 [H, W, 3] pixels (the graph's `images` input), "tensor"
-records float32 [3, H, W] normalised pixels (its `pixel_values` input, for KServe v2 FP32 clients), and "jpeg"
-records no input at all: their JPEG bytes travel beside them and are decoded on the GPU with their batch
-(gpu_decode.py), straight into the graph's `images` input on the device.
+Three kinds per model (Kind), each its own dtype, which names its kind: it travels with the records, into shared
+memory and out of it.
 """
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import cache
 
 import numpy as np
 
 from repository import ModelEntry
 
-from .heads import Classifier, head
+from .heads import Head, head
 
-KINDS = ("jpeg", "image", "tensor")  # the order of a batch's rows: the graph returns the images' rows first
+
+
+class Kind(StrEnum):
+    """What a record holds of its image, in the order of a batch's rows (the graph returns the images' rows first)."""
+    JPEG = "jpeg"  # nothing: its JPEG's bytes travel beside it, decoded with its batch on the GPU (gpu_decode.py)
+    IMAGE = "image"  # uint8 [H, W, 3] pixels: the graph's `images` input
+    TENSOR = "tensor"  # float32 [3, H, W] normalised pixels: its `pixel_values` input (KServe v2 FP32 clients)
+
+
+KINDS = tuple(Kind)
 # a batch's size and, per image, its wait and its batch's compute phases (Triton's queue, compute_input,
 # compute_infer, compute_output)
 TIMINGS = ("batch_size", "queue_ms", "input_ms", "inference_ms", "output_ms")
 
 
 @cache
-def record_dtype(entry: ModelEntry, kind: str) -> np.dtype:
+def record_dtype(entry: ModelEntry, kind: Kind) -> np.dtype:
     h, w = entry.policy.size
-    fields = {"image": [("image", np.uint8, (h, w, 3))], "tensor": [("tensor", np.float32, (3, h, w))],
-              "jpeg": []}[kind]
+    fields = {Kind.IMAGE: [("image", np.uint8, (h, w, 3))], Kind.TENSOR: [("tensor", np.float32, (3, h, w))],
+              Kind.JPEG: []}[kind]
     fields += [(o["name"], np.float32, tuple(d for d in o["shape"] if d != "batch")) for o in entry.manifest["outputs"]]
     fields += [*head(entry).fields(), ("batch_size", np.int32), *((name, np.float32) for name in TIMINGS[1:])]
-    return np.dtype(fields)
+    return np.dtype(fields, metadata={"kind": Kind(kind)})
 
 
 def output_names(entry: ModelEntry) -> list[str]:
@@ -46,9 +54,9 @@ def results(records: np.ndarray, fields: list[str]) -> dict[str, np.ndarray]:
     return {name: records[name].copy() for name in fields}
 
 
-def kind_of(records: np.ndarray) -> str:
-    names = records.dtype.names
-    return "image" if "image" in names else "tensor" if "tensor" in names else "jpeg"
+def kind_of(records: np.ndarray) -> Kind:
+    """The kind of records of a record_dtype, as their dtype says it."""
+    return records.dtype.metadata["kind"]
 
 
 Rows = slice | np.ndarray  # some rows of a records array: a run of them, or their numbers
@@ -65,17 +73,17 @@ def row_numbers(rows: Rows) -> list[int]:
 @dataclass(eq=False)
 class Part:
     """Some rows of one records array, in one batch, and each row's input where its records do not hold it: a
-    JPEG's bytes ("jpeg" records, decoded with the batch on the GPU), or for "image" and "tensor" records a view of
-    the row's input in a client's shared-memory region (shared_memory.py), read straight into the batch."""
+    JPEG's bytes (Kind.JPEG records, decoded with the batch on the GPU), or for the others a view of the row's input
+    in a client's shared-memory region (shared_memory.py), read straight into the batch."""
     records: np.ndarray
     rows: Rows
     top_k: int
     inputs: list | None = None
-    kind: str = ""
     errors: dict[int, Exception] = field(default_factory=dict)  # rows that failed alone (a JPEG no decoder read)
 
-    def __post_init__(self):
-        self.kind = self.kind or kind_of(self.records)
+    @property
+    def kind(self) -> Kind:
+        return kind_of(self.records)
 
     @property
     def size(self) -> int:
@@ -84,7 +92,7 @@ class Part:
     @property
     def shared(self) -> bool:
         """Its inputs are views of shared memory, not in its records."""
-        return self.inputs is not None and self.kind != "jpeg"
+        return self.inputs is not None and self.kind != Kind.JPEG
 
 
 @dataclass
@@ -99,7 +107,7 @@ class Span:
     parts: list[Part]
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Kind:
         return self.parts[0].kind
 
     @property
@@ -147,18 +155,18 @@ def _gather(field: str, batch: list[Span], out: np.ndarray) -> np.ndarray:
 
 def host_inputs(batch: list[Span], size: tuple[int, int], empty_images: Callable[[int], np.ndarray]
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """The batch's uint8 images and float pixel_values from its "image" and "tensor" spans, in their order; the
+    """The batch's uint8 images and float pixel_values from its image and tensor spans, in their order; the
     images gathered into `empty_images(count)` (Runner.host_batch: page-locked memory on CUDA)."""
     h, w = size
-    images = [span for span in batch if span.kind == "image"]
-    tensors = [span for span in batch if span.kind == "tensor"]
+    images = [span for span in batch if span.kind == Kind.IMAGE]
+    tensors = [span for span in batch if span.kind == Kind.TENSOR]
     gathered = _gather("image", images, empty_images(sum(span.size for span in images)))
     pixels = np.empty((sum(span.size for span in tensors), 3, h, w), np.float32)
     return gathered, _gather("tensor", tensors, pixels)
 
 
 def write_results(batch: list[Span], outputs: dict[str, np.ndarray], queue_ms: list[float],
-                  inference_ms: float, input_ms: float, head: Classifier) -> float:
+                  inference_ms: float, input_ms: float, head: Head) -> float:
     """Each part's rows of every output and of what the model's head makes of them (heads.py) into its records,
     in the batch's order (images before tensors), `queue_ms` being each part's wait and `input_ms`,
     `inference_ms` the batch's: one vectorised pass per batch, one numpy call per field and span. Returns the ms it
@@ -173,7 +181,10 @@ def write_results(batch: list[Span], outputs: dict[str, np.ndarray], queue_ms: l
         for name, value in outputs.items():
             records[name][rows] = value[of]
         for name, value in made.items():  # (the first columns of a field: the top k asked for)
-            records[name][rows, :value.shape[1]] = value[of]
+            if value.ndim == 1:
+                records[name][rows] = value[of]
+            else:
+                records[name][rows, :value.shape[1]] = value[of]
         records["batch_size"][rows], records["queue_ms"][rows] = size, waited[of]
         records["input_ms"][rows], records["inference_ms"][rows] = input_ms, inference_ms
     output_ms = (time.perf_counter() - start) * 1e3

@@ -25,10 +25,10 @@ from service.core.errors import BadInput, ServiceError, TooLarge, Unavailable, U
 from service.core.metrics import Metrics
 from service.core.settings import Settings
 from service.core.urgency import check_deadline, expired, request_deadline
-from service.engine.backends import Backend, Lease, graph_entry
+from service.engine.backends import Backend, DecodeOn, Lease, graph_entry
 from service.engine.batching import BatchingPolicy
-from service.engine.heads import head
-from service.engine.records import TIMINGS, output_names, record_dtype, results
+from service.engine.heads import OUTPUTS_ONLY, head
+from service.engine.records import TIMINGS, Kind, output_names, record_dtype, results
 from service.engine.shared_memory import SharedIO, SharedTensor, Slice
 from service.explain.cache import AttentionResult
 from service.images.decode import Photo, decode, decode_size, model_input, upload_input
@@ -62,13 +62,13 @@ class Job:
     """One request's images on their way through one model (Pipeline._run: fill, batch, collect): n records of
     one kind, how they are filled (in the decode pool, unless there is nothing to decode), and what the run needs
     beside them."""
-    kind: str  # of records (records.py): "image", "tensor", or "jpeg" (decoded with the batch on the GPU)
+    kind: Kind  # of records (records.py)
     n: int
     fill: Fill
-    top_k: int = 1  # labels per image the answer needs; 0: the graph's outputs alone (KServe v2)
+    top_k: int = 1  # labels per image the answer needs; OUTPUTS_ONLY: the graph's outputs alone (KServe v2)
     for_maps: bool = False  # the photos and the model inputs kept, for attention maps
     in_pool: bool = True  # filled in the decode pool (False: a copy of tensors, no decode: not worth a hop)
-    jpegs: list[bytes] | None = None  # "jpeg" records' bytes
+    jpegs: list[bytes] | None = None  # Kind.JPEG records' bytes
     shared: SharedIO | None = None  # where a KServe v2 request's input and outputs lie in shared memory
     deadline: float | None = None  # the request's (urgency.py) and its traceparent, read on the event loop
     trace: str | None = None
@@ -114,7 +114,7 @@ class Pipeline:
         self.attention_outputs = list(entry.attention["outputs"].values()) if entry.attention else []
         self.stats = metrics.request_observer(self.name, str(entry.version))
         self._queue_series: dict[str, object] = {}  # by graph (_queue_seconds)
-        self._decoded_on = {where: metrics.images_decoded.labels(self.name, where) for where in ("cpu", "gpu")}
+        self._decoded_on = {where: metrics.images_decoded.labels(self.name, where) for where in DecodeOn}
 
     @property
     def batching(self) -> BatchingPolicy:
@@ -161,7 +161,7 @@ class Pipeline:
         if self._to_gpu(uploads, for_maps):
             try:
                 out = await self._jpegs(uploads, top_k)
-                self._decoded_on["gpu"].inc(len(uploads))
+                self._decoded_on[DecodeOn.GPU].inc(len(uploads))
                 return out
             except IMAGE_ERRORS:
                 if len(uploads) == 1:
@@ -190,16 +190,16 @@ class Pipeline:
                 decode_ms.append(self._decoded(start))
             return decode_ms, photos if for_maps else None
 
-        out = await self._run(Job("image", len(uploads), fill, top_k, for_maps))
+        out = await self._run(Job(Kind.IMAGE, len(uploads), fill, top_k, for_maps))
         out.errors = errors
-        self._decoded_on["cpu"].inc(len(uploads) - len(errors))
+        self._decoded_on[DecodeOn.CPU].inc(len(uploads) - len(errors))
         return out
 
     def _to_gpu(self, uploads: list[bytes], for_maps: bool) -> bool:
         """The decode router: JPEGs go to the GPU's decoder, undecoded, where the model has one, no photo is kept
         for a map, and its queue has room for them; else the CPU decodes them here. So the GPU takes uploads while
         its decode backlog is short and the decode threads the rest, whatever the load (no fixed ratio)."""
-        return (not for_maps and self.backend.status()[self.key].decode == "gpu" and all(map(is_jpeg, uploads))
+        return (not for_maps and self.backend.status()[self.key].decode == DecodeOn.GPU and all(map(is_jpeg, uploads))
                 and self.backend.gpu_room(self.key) >= len(uploads))
 
     async def _jpegs(self, uploads: list[bytes], top_k: int) -> Results:
@@ -208,7 +208,7 @@ class Pipeline:
                 decode_size(data, self.settings.max_image_pixels)
             return [0.0] * len(uploads), None
 
-        return await self._run(Job("jpeg", len(uploads), check, top_k, jpegs=uploads))
+        return await self._run(Job(Kind.JPEG, len(uploads), check, top_k, jpegs=uploads))
 
     async def find_faces(self, upload: bytes, detect: bool, settings: DetectorSettings, budget: FaceBudget
                          ) -> FoundFaces:
@@ -252,7 +252,7 @@ class Pipeline:
                 records["image"][i] = model_input(face.image, self.policy)
             return [faces.found_ms] * len(faces.crops), faces.crops if for_maps else None
 
-        return await self._run(Job("image", len(faces.crops), fill, 1, for_maps))
+        return await self._run(Job(Kind.IMAGE, len(faces.crops), fill, 1, for_maps))
 
     def _detector(self) -> FaceDetector:
         if self.detector is None:
@@ -268,17 +268,17 @@ class Pipeline:
         graph gives them, and `outputs` names those written to shared memory as well. Each kind goes to the
         batcher as records of its own (one entry each, queued in the same turn of the loop, so they usually share
         a batch); the request counts B1 + B2 images against the queue limit."""
-        batches = [(kind, x) for kind, x in (("image", images), ("tensor", pixels)) if len(x)]
+        batches = [(kind, x) for kind, x in ((Kind.IMAGE, images), (Kind.TENSOR, pixels)) if len(x)]
         if not batches:
             raise BadInput("no images to run: every input's batch is empty (shape [0, ...]); send at least one")
         self._check_count(len(images) + len(pixels))
-        row_bytes = {name: record_dtype(self.entry, "image")[name].itemsize for name in outputs or {}}
+        row_bytes = {name: record_dtype(self.entry, Kind.IMAGE)[name].itemsize for name in outputs or {}}
         for name, place in (outputs or {}).items():
             if place.byte_size < (need := (len(images) + len(pixels)) * row_bytes[name]):
                 raise BadInput(f"output {name!r} in shared memory: shared_memory_byte_size {place.byte_size} is "
                                f"too small for its {need} bytes")
 
-        def filler(kind: str, x: np.ndarray | SharedTensor) -> Fill:
+        def filler(kind: Kind, x: np.ndarray | SharedTensor) -> Fill:
             def fill(records: np.ndarray) -> tuple[list[float], None]:
                 if not isinstance(x, SharedTensor):  # (shared memory is read straight into the batch)
                     records[kind] = x  # one copy of the batch, nothing to decode: not worth a thread hop
@@ -292,8 +292,8 @@ class Pipeline:
                 return None
             return SharedIO(place, {name: s.rows(first, len(x), row_bytes[name]) for name, s in outputs.items()})
 
-        def job(kind: str, x: np.ndarray | SharedTensor, first: int) -> Job:  # the graph's outputs alone: top_k 0
-            return Job(kind, len(x), filler(kind, x), 0, in_pool=False, shared=shared(x, first))
+        def job(kind: Kind, x: np.ndarray | SharedTensor, first: int) -> Job:
+            return Job(kind, len(x), filler(kind, x), OUTPUTS_ONLY, in_pool=False, shared=shared(x, first))
 
         if len(batches) == 1:  # (the usual request: no tasks to make and gather)
             (kind, x), = batches
@@ -329,7 +329,7 @@ class Pipeline:
             if not ran:
                 await self._batch(job, lease)
             self._queue_seconds().observe(float(records["queue_ms"][0]) / 1e3)
-            fields = self.fields if job.top_k else self.output_fields
+            fields = self.output_fields if job.top_k == OUTPUTS_ONLY else self.fields
             inputs = records["image"].copy() if job.for_maps else None
             return Results(results(records, fields), decode_ms, photos, inputs)
 
@@ -345,7 +345,7 @@ class Pipeline:
             check_deadline(job.deadline, self.name, "before its decode")
             decode_ms, photos = job.fill(lease.records)
             check_deadline(job.deadline, self.name, "after its decode")
-            return decode_ms, photos, job.kind != "jpeg" and self.backend.run_here(self.key, lease, job.top_k,
+            return decode_ms, photos, job.kind != Kind.JPEG and self.backend.run_here(self.key, lease, job.top_k,
                                                                                     job.trace)
 
         with self.backend.preparing(self.key), tracing.span("decode", **{"vitserve.images": job.n}):

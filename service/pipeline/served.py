@@ -12,6 +12,7 @@ from service.core.metrics import Metrics
 from service.core.settings import Settings
 from service.core.thread_names import name_pool_thread
 from service.engine.backends import Backend
+from service.engine.heads import Task
 from service.engine.runtime import CPU
 
 from .faces import FaceDetector
@@ -41,17 +42,17 @@ class Pipelines:
         """Once the backend knows its models: a pipeline each, the default model, and the face detector where an
         expression model needs one."""
         entries = self.backend.entries
-        if any(e.task == "expression" for e in entries):
+        if any(e.task == Task.EXPRESSION for e in entries):
             self.detector, self.detector_problem = self._open_detector()
         self._rebuild()
         default, names = self.settings.default_model, sorted({e.name for e in entries})
         if default is not None and default not in names:
             raise RepositoryError(f"VITSERVE_DEFAULT_MODEL={default} is not in the repository ({', '.join(names)})")
         faces = self.settings.default_expression_model
-        if faces is not None and faces not in {e.name for e in entries if e.task == "expression"}:
+        if faces is not None and faces not in {e.name for e in entries if e.task == Task.EXPRESSION}:
             raise RepositoryError(f"VITSERVE_DEFAULT_EXPRESSION_MODEL={faces} is not an expression model of the "
                                   f"repository ({', '.join(names)})")
-        self.default_model = default or next((e.name for e in entries if e.task == "classification"),
+        self.default_model = default or next((e.name for e in entries if e.task == Task.CLASSIFICATION),
                                              entries[0].name)
 
     def _open_detector(self) -> tuple[FaceDetector | None, str | None]:
@@ -126,7 +127,7 @@ class Pipelines:
         """The model of /expression requests that name none: VITSERVE_DEFAULT_EXPRESSION_MODEL, else the first
         expression model served, by name."""
         self._sync()
-        served = sorted(p.name for p in self._latest.values() if p.entry.task == "expression")
+        served = sorted(p.name for p in self._latest.values() if p.entry.task == Task.EXPRESSION)
         return self.settings.default_expression_model or next(iter(served), None)
 
     def _sync(self) -> None:
@@ -149,7 +150,7 @@ class Pipelines:
         it is not a model for `task`. A route with a body finds its model through `routed`."""
         if (problem := self.backend.problem()) is not None:  # the inference process restarting, or hung
             raise problem
-        if name is None and task == "expression":
+        if name is None and task == Task.EXPRESSION:
             name = self.default_expression_model
             if name is None:
                 raise NotFound("the repository has no expression model (task: expression)", "model_not_found")
@@ -164,6 +165,6 @@ class Pipelines:
         if not status.ready:
             raise Unavailable(f"{name} is still loading", "model_loading", self.settings.retry_after_s)
         if task is not None and pipeline.entry.task != task:
-            raise BadInput(f"{name} is a {pipeline.entry.task} model; this route needs a model exported with task "
-                           f"{task}", f"not_an_{task}_model")
+            raise BadInput(f"{name} is a model of task {pipeline.entry.task}; this route needs a model exported with "
+                           f"task {task}", f"not_an_{task}_model")
         return pipeline

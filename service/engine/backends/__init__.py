@@ -11,6 +11,7 @@ Two backends, one interface:
 """
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
 import numpy as np
@@ -22,6 +23,12 @@ from service.explain.cache import AttentionResult
 from ..shared_memory import SharedIO
 
 
+class DecodeOn(StrEnum):
+    """Where a model's JPEG uploads are decoded."""
+    CPU = "cpu"  # in the decode threads of the process that took the request
+    GPU = "gpu"  # sent undecoded, and decoded with their batch on the GPU (images/gpu_decode.py)
+
+
 @dataclass
 class ModelStatus:
     """What serves a model name, as decided at start-up, and whether it is ready."""
@@ -30,8 +37,8 @@ class ModelStatus:
     provider: str | None = None
     precision: str | None = None  # what runs: an fp32 model with an fp16 sibling runs in fp16 on CUDA
     graph: str | None = None  # the model whose model.onnx runs for this name
-    decode: str = "cpu"  # "gpu" where JPEGs can be sent undecoded, to be decoded with their batch on the GPU
-    # why decode is "cpu" although the graph runs on CUDA with GPU decoding on (else None): never a silent fallback
+    decode: DecodeOn = DecodeOn.CPU
+    # why decode is CPU although the graph runs on CUDA with GPU decoding on (else None): never a silent fallback
     decode_reason: str | None = None
     unloaded: bool = False  # taken out of service (POST /v2/repository/models/NAME/unload): requests get 404
     loads: int = 1  # how many times it was (re)loaded: a worker re-reads its manifest when this changes
@@ -96,14 +103,14 @@ class Backend(Protocol):
         as the error requests and readiness answer with; None where it serves."""
 
     def records(self, model: str, kind: str, n: int) -> AbstractContextManager[Lease]:
-        """n empty records ("image", "tensor" or "jpeg", records.py) to fill, held inside the `with`."""
+        """n empty records of a kind (records.Kind) to fill, held inside the `with`."""
 
     def preparing(self, model: str) -> AbstractContextManager[None]:
         """Around decoding images that will run on `model` (the batcher may wait for them)."""
 
     def gpu_room(self, model: str) -> int:
         """How many JPEGs the model's GPU decoder takes now, before its queue holds VITSERVE_GPU_DECODE_QUEUE_BATCHES
-        batches per inference thread (where its status says decode "gpu"): the decode router's reading."""
+        batches per inference thread (where its status says DecodeOn.GPU): the decode router's reading."""
 
     def run_here(self, model: str, lease: Lease, top_k: int, trace: str | None = None) -> bool:
         """From a decode thread, once the lease's records are filled: run them in that thread if the model is idle,
@@ -112,7 +119,7 @@ class Backend(Protocol):
 
     async def run(self, model: str, lease: Lease, top_k: int, jpegs: list[bytes] | None = None,
                   shared: SharedIO | None = None) -> None:
-        """Batch, run and unbatch: results are in the lease's records when it returns (for "jpeg" records, `jpegs` holds
+        """Batch, run and unbatch: results are in the lease's records when it returns (for Kind.JPEG records, `jpegs` holds
         their bytes), and in shared memory where `shared` says (its input, if it names one, is read from there, and
         the records' input is not). Overloaded: Unavailable; a slice of a region that is not registered or too
         small: BadInput."""

@@ -29,7 +29,7 @@ from service.core.metrics import Metrics
 from service.core.settings import Settings
 
 from ..batching import Batcher, Entry
-from ..records import record_dtype
+from ..records import Kind, record_dtype
 from ..shared_memory import Claim, SharedIO
 from . import wire
 from .arena import map_records
@@ -187,7 +187,7 @@ class InferenceServer:
     def _requests_inputs(self, frame: Frame, message: dict, arrays: dict, kind: str) -> list[list] | None:
         """Each request's rows' inputs where the records do not hold them (JPEG bytes, or views of shared memory),
         else None. Requests with tensors in shared memory claim it (Frame.claims); those that cannot are refused."""
-        if kind == "jpeg":
+        if kind == Kind.JPEG:
             edges = np.concatenate([[0], np.cumsum(arrays["jpeg_size"])]).tolist()
             blob = arrays["jpegs"].tobytes()
             jpegs = [blob[a:b] for a, b in zip(edges, edges[1:])]

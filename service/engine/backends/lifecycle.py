@@ -28,9 +28,10 @@ from service.core.metrics import Metrics
 from service.core.settings import Settings
 
 from ..batching import BatchingPolicy
-from ..records import KINDS, record_dtype
+from ..heads import HEADS
+from ..records import KINDS, Kind, record_dtype
 from ..runtime import CPU, CUDA, Plan, Runner, serving_plan
-from . import ModelStatus
+from . import DecodeOn, ModelStatus
 
 log = logging.getLogger("vitserve")
 
@@ -54,12 +55,18 @@ async def _at_once(generation: int) -> None:
     pass
 
 
+def no_head(entry: ModelEntry) -> str:
+    return f"its task {entry.task!r} has no head in this server (service/engine/heads.py)"
+
+
 class ModelLifecycle:
     def __init__(self, settings: Settings, metrics: Metrics, graphs: Graphs, on_status: Callable[[], None]):
         """The repository's models, read at once (a missing repository fails here); `on_status`: called on every
         status change."""
         self.settings, self.metrics, self.graphs, self.on_status = settings, metrics, graphs, on_status
         entries, self.problems = servable(settings.model_repository)  # folders that cannot be served, with why
+        self.problems |= {e.location: no_head(e) for e in entries if e.task not in HEADS}
+        entries = [e for e in entries if e.task in HEADS]
         for name, problem in self.problems.items():
             log.error("not serving %s: %s", name, problem)
         self.entries: list[ModelEntry] = entries
@@ -103,7 +110,7 @@ class ModelLifecycle:
         self.jpeg_decoders[graph] = decoder
         for name, plan in self.plans.items():
             if plan.graph == graph and self.status[name].ready:
-                self.status[name].decode, self.status[name].decode_reason = "gpu", None
+                self.status[name].decode, self.status[name].decode_reason = DecodeOn.GPU, None
         self._changed()
 
     async def loaded(self) -> None:
@@ -158,9 +165,9 @@ class ModelLifecycle:
 
     def _ready(self, name: str, provider: str, loads: int = 1) -> None:
         plan, entry = self.plans[name], self.by_key[name]
-        decode_on = "gpu" if plan.graph in self.jpeg_decoders else "cpu"
+        decode_on = DecodeOn.GPU if plan.graph in self.jpeg_decoders else DecodeOn.CPU
         reason = None
-        if decode_on == "cpu" and provider == CUDA and self.settings.gpu_decode:  # wanted, and not there: say why
+        if decode_on == DecodeOn.CPU and provider == CUDA and self.settings.gpu_decode:  # wanted, and not there: say why
             reason = self.decode_reasons.get(plan.graph, "GPU decoding is set up at start-up only, and this graph "
                                                          "was loaded later")
         self.status[name] = ModelStatus(True, None, provider, plan.precision, plan.graph, decode_on, reason,
@@ -231,10 +238,12 @@ class ModelLifecycle:
         old = self.by_key.get(entry.key)
         if plan.error:
             raise BadInput(plan.error)
+        if entry.task not in HEADS:
+            raise BadInput(no_head(entry))
         if old is None and self.max_models is not None and len(self.entries) >= self.max_models:
             raise BadInput(f"{entry.key} would be model number {len(self.entries) + 1}; this server serves at most "
                            f"{self.max_models}")
-        if old is not None and any(record_dtype(old, k) != record_dtype(entry, k) for k in KINDS if k != "jpeg"):
+        if old is not None and any(record_dtype(old, k) != record_dtype(entry, k) for k in KINDS if k != Kind.JPEG):
             raise BadInput(f"{entry.location}: re-exported in place with another input size or outputs, which the "
                            "requests under way cannot take: export it as a new version (--version next)")
         return plan

@@ -27,7 +27,7 @@ from service.images.decode import upload_input
 
 from ..batching import Batcher, BatchingPolicy, QueueFull
 from ..heads import head
-from ..records import Part, host_inputs, kind_of, record_dtype, row_numbers, spans, write_results
+from ..records import Kind, Part, host_inputs, kind_of, record_dtype, row_numbers, spans, write_results
 from ..runtime import Runner, batches_in_flight, choose_device, cuda_blocking_sync
 from ..shared_memory import Regions, SharedIO
 from . import Lease, ModelStatus
@@ -123,7 +123,7 @@ class LocalBackend:
             batch = spans(parts)
             try:
                 images, tensors = host_inputs(batch, policy.size, runner.host_batch)
-                if jpegs := [p for p in parts if p.kind == "jpeg"]:
+                if jpegs := [p for p in parts if p.kind == Kind.JPEG]:
                     images = self._decode_jpegs(graph, jpegs, images)
                 gathered = time.perf_counter()
                 outputs, failed = run_isolating(runner.run, images, tensors)
@@ -142,7 +142,7 @@ class LocalBackend:
         return run
 
     def _decode_jpegs(self, graph: str, parts: list[Part], host_images: np.ndarray):
-        """The "jpeg" parts decoded on the GPU, followed by the host images: the batch's images, on the device. A
+        """The JPEG parts decoded on the GPU, followed by the host images: the batch's images, on the device. A
         JPEG that neither nvImageCodec nor Pillow can read fails its own request only."""
         decoder, policy = self.models.jpeg_decoders[graph], self.models.by_key[graph].policy
         jpegs = [data for part in parts for data in part.inputs]

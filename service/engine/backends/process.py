@@ -33,7 +33,7 @@ from service.core.urgency import request_priority
 from service.explain.cache import AttentionResult
 
 from ..batching import BatchingPolicy
-from ..records import kind_of, record_dtype
+from ..records import Kind, kind_of, record_dtype
 from ..shared_memory import SharedIO
 from . import Lease, ModelStatus, graph_entry, wire
 from .arena import Arena
@@ -391,7 +391,7 @@ class ProcessBackend:
                 message["traces"] = [q.trace for q in queued]
             if priority:
                 message["priority"] = priority
-            if kind == "jpeg":
+            if kind == Kind.JPEG:
                 jpegs = [data for q in queued for data in q.jpegs]
                 arrays["jpegs"] = np.frombuffer(b"".join(jpegs), np.uint8)
                 arrays["jpeg_size"] = np.array([len(data) for data in jpegs], np.int64)

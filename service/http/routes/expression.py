@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from service.core.errors import BadInput
 from service.core.urgency import PRIORITY, TIMEOUT_MS, from_query
+from service.engine.heads import Task
 from service.pipeline.faces import DetectorSettings, FaceBudget, Faces, FoundFaces
 from service.pipeline.pipeline import IMAGE_ERRORS, Pipeline
 from service.pipeline.served import Pipelines
@@ -52,7 +53,7 @@ async def expression(
             chosen.check_attention()
         return await read_uploads(request, ("file", "files"), settings.max_files)
 
-    pipeline, uploads = await pipelines.routed(read, model, task="expression")
+    pipeline, uploads = await pipelines.routed(read, model, task=Task.EXPRESSION)
     if (fields := [field for field, _, _ in uploads]).count("file") > 1:  # several photos come as `files`
         raise BadInput(f"{fields.count('file')} 'file' parts; send one photo as 'file', or several as 'files'",
                        "one_image")
