@@ -100,19 +100,19 @@ class Settings(BaseSettings):
                                               "products, errors near 1e-3; off, fp32 sessions give the CPU's "
                                               "answers to 1e-4 (the export gate's tolerance), and fp16 is the fast "
                                               "path")
+    # what CUDA graphs gained on an H100: docs/performance.md#h100-figures
     cuda_graph_max_batch: int = Field(0, ge=0, le=64, description="on CUDA, batches of up to this many images "
                                       "replay as CUDA graphs, one per power of two, each with its own copy of "
-                                      "the weights on the GPU (batch 1: 1.7-4.4x the plain session on an H100); 0: off")
+                                      "the weights on the GPU; 0: off")
     cuda_blocking_sync: bool = Field(False, description="on CUDA, a thread waiting for the GPU sleeps until it is "
                                      "woken (CU_CTX_SCHED_BLOCKING_SYNC) instead of spinning a core, which CUDA "
                                      "does by default while it has fewer contexts than the host has cores")
     iobinding: bool = Field(False, description="on the CPU too, run every batch through ONNX Runtime's IOBinding "
                                               "with reused batch buffers, as CUDA always does: a host without a "
                                               "GPU (CI) then exercises the device path")
+    # off by default: on an H200 it was slower than the CPU's decoding (docs/performance.md#the-gpu-check-2026-11-27)
     gpu_decode: bool = Field(False, description="on CUDA, decode JPEGs on the GPU with nvImageCodec, in batches, "
-                                                "where it and CuPy are installed (the `gpu` extra); else Pillow. Off "
-                                                "by default: on an H200 it served /classify 0.67x the CPU's "
-                                                "decoding, nvImageCodec's own rate the bound (docs/performance.md)")
+                                                "where it and CuPy are installed (the `gpu` extra); else Pillow")
     gpu_decode_queue_batches: float = Field(2.0, ge=0, description="with GPU decoding on, JPEGs go to the GPU's "
                                             "decoder while fewer than this many batches per inference thread of "
                                             "them wait for it; past that, uploads are decoded on the CPU: the "

@@ -79,6 +79,17 @@ class Classifier:
         return [("probs", np.float32, (self.classes,)), ("top_index", np.int32, (self.top,)),
                 ("top_score", np.float32, (self.top,))]
 
+    @staticmethod
+    def best(fields: dict[str, np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per image of a request's results (its fields), its k best labels' (indices, scores), best first."""
+        k = min(k, fields["top_index"].shape[1])
+        return fields["top_index"][:, :k], fields["top_score"][:, :k]
+
+    @staticmethod
+    def scored(fields: dict[str, np.ndarray]) -> np.ndarray:
+        """Per image of a request's results, every label's score (float32 [n, classes])."""
+        return fields["probs"]
+
     def finish(self, outputs: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
         """The batch's rows of each field, from its outputs, where its requests ask for k labels each at most
         (OUTPUTS_ONLY: none); a field narrower than the record's fills the record's first columns."""

@@ -8,8 +8,7 @@ outside the loader's search path: they are loaded first.
 On CUDA, a model `NAME` with an fp16 sibling `NAME-fp16` runs the sibling's graph (one session for both names);
 fp16 graphs are not served on the CPU, and graphs made for the CPU alone (int8) stay on it.
 Small batches of images on CUDA can be replayed as CUDA graphs (`CudaGraph`), which saves the launch of every
-kernel: at batch 1 the fp16 graphs of DeiT-Ti/S, ViT-B and Swin-T ran 1.7-4.4x faster so on an H100
-(bench/gpu.py, the session alone). A batch's images are gathered into page-locked host memory on CUDA
+kernel (docs/performance.md#h100-figures). A batch's images are gathered into page-locked host memory on CUDA
 (`Runner.host_batch`), which the copy to the GPU reads at the bus's speed.
 """
 import ctypes

@@ -48,8 +48,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
         grpc_front = None
         if settings.grpc_port:
             grpc_front = await grpc_server.start(pipelines, settings, metrics, grpc_shared_port)
-        # Requests make few reference cycles: collecting less often, and never scanning what start-up made, was
-        # 12% of the server's CPU per image on /classify (bench: a null model, 32 clients)
+        # requests make few reference cycles: collect less often, and never scan what start-up made
+        # (docs/performance.md#service-overhead-raw-session-vs-http)
         gc.collect()
         gc.freeze()
         gc.set_threshold(50_000)

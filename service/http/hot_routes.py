@@ -4,8 +4,8 @@ declares) called straight away; every other request goes on to FastAPI's routing
 key, metrics, cancel on disconnect) is the same for both: this is the innermost. Errors get the same answers
 (error_responses.answer_to).
 
-Why: FastAPI's exception middleware, routing, dependency solving and Request handling cost ~60 µs of CPU a request,
-a tenth of the HTTP path's own CPU per /v2 request (bench/http_floor.py, docs/performance.md).
+Why: FastAPI's exception middleware, routing, dependency solving and Request handling were a tenth of the HTTP
+path's own CPU per /v2 request (docs/performance.md#the-http-path-against-a-bare-asgi-app).
 """
 import re
 from urllib.parse import parse_qsl

@@ -173,9 +173,9 @@ class CancelOnDisconnect:
     """Cancels a request's handling when its client goes away once the body is in, so that its images leave the
     batcher's queue instead of being computed for nobody (a client that leaves mid-upload fails the body read).
     The handling runs in the request's own task, which a watcher cancels. The watcher starts WATCH_AFTER_S after the
-    body is in, so that the many requests answered sooner never make one: a watcher task for every request was 17 µs
-    of CPU each, a twentieth of the HTTP path's per /v2 request (docs/performance.md). A request that waits (in a
-    queue under load, where a client is likeliest to give up) is watched from then on."""
+    body is in, so that the many requests answered sooner never make one (a watcher for every request cost the HTTP
+    path CPU: docs/performance.md#the-http-path-against-a-bare-asgi-app). A request that waits (in a queue under
+    load, where a client is likeliest to give up) is watched from then on."""
 
     WATCH_AFTER_S = 0.02
 

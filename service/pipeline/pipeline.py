@@ -52,6 +52,24 @@ class Results:
     inputs: np.ndarray | None = None
     errors: dict[int, ServiceError] = field(default_factory=dict)
 
+    def __len__(self) -> int:
+        return len(self.decode_ms)
+
+    @property
+    def batch_size(self) -> np.ndarray:
+        """Per image, the size of the batch it ran in (0: answered without one, from the response cache)."""
+        return self.fields["batch_size"]
+
+    @property
+    def queue_ms(self) -> np.ndarray:
+        """Per image, how long it waited for its batch."""
+        return self.fields["queue_ms"]
+
+    @property
+    def inference_ms(self) -> np.ndarray:
+        """Per image, its batch's compute time."""
+        return self.fields["inference_ms"]
+
 
 # fills a job's records in place: each image's decode ms, and the decoded photos where they are kept
 Fill = Callable[[np.ndarray], tuple[list[float], list[Photo | None] | None]]

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from service.core.urgency import PRIORITY, TIMEOUT_MS, from_query
+from service.engine.heads import Classifier
 from service.pipeline.pipeline import Pipeline, Results
 from service.pipeline.served import Pipelines
 
@@ -28,9 +29,9 @@ class ClassifyQuery(BaseModel):
 
 def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]]:
     """Per image, its top-k labels, best first (top-k itself was computed once for the whole batch)."""
-    labels, k = pipeline.entry.labels, min(top_k, out.fields["top_index"].shape[1])
-    return [[{"label": labels[i], "index": i, "score": s} for i, s in zip(index, score)]
-            for index, score in zip(out.fields["top_index"][:, :k].tolist(), out.fields["top_score"][:, :k].tolist())]
+    labels, (index, score) = pipeline.entry.labels, Classifier.best(out.fields, top_k)
+    return [[{"label": labels[i], "index": i, "score": s} for i, s in zip(*best)]
+            for best in zip(index.tolist(), score.tolist())]
 
 
 @router.post(
@@ -60,8 +61,7 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
     pipeline, uploads = await pipelines.routed(read, model)
     out = await pipeline.images([data for _, data in uploads], top_k, for_maps=attention)
     total_ms = (time.perf_counter() - start) * 1e3
-    f = out.fields
-    timings = zip(out.decode_ms, f["queue_ms"].tolist(), f["inference_ms"].tolist(), f["batch_size"].tolist())
+    timings = zip(out.decode_ms, out.queue_ms.tolist(), out.inference_ms.tolist(), out.batch_size.tolist())
     results = []
     for i, ((filename, _), best, (decode_ms, queue_ms, inference_ms, batch)) in enumerate(
             zip(uploads, predictions(pipeline, out, top_k), timings)):

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from service.core.errors import BadInput
 from service.core.urgency import PRIORITY, TIMEOUT_MS, from_query
-from service.engine.heads import Task
+from service.engine.heads import Classifier, Task
 from service.pipeline.faces import DetectorSettings, FaceBudget, Faces, FoundFaces
 from service.pipeline.pipeline import IMAGE_ERRORS, Pipeline
 from service.pipeline.served import Pipelines
@@ -99,8 +99,8 @@ async def faces_of(pipeline: Pipeline, photo: FoundFaces, attention: bool, start
     """One photo's answer: its size, its faces with their expressions, and the timings."""
     out = await pipeline.run_faces(photo, for_maps=attention)
     size, found = photo.size, photo.found
-    labels, f, faces = pipeline.entry.labels, out.fields, []
-    for i, (probs, batch) in enumerate(zip(f.get("probs", []), f.get("batch_size", []))):
+    labels, faces = pipeline.entry.labels, []
+    for i, (probs, batch) in enumerate(zip(Classifier.scored(out.fields), out.batch_size) if len(out) else ()):
         key = await pipeline.store_attention(out, i) if attention else None
         best = int(probs.argmax())
         faces.append({"id": key or uuid.uuid4().hex, **(face_geometry(found, i, pipeline) if found else
@@ -109,8 +109,8 @@ async def faces_of(pipeline: Pipeline, photo: FoundFaces, attention: bool, start
                       "expression": labels[best], "score": float(probs[best]),
                       "probabilities": dict(zip(labels, probs.tolist())), "batch_size": int(batch),
                       "attention_map_url": f"/attention-map?id={key}" if key else None})
-    timings = {"decode_detect_ms": photo.found_ms, "queue_ms": float(f["queue_ms"].max()) if faces else 0.0,
-               "inference_ms": float(f["inference_ms"].max()) if faces else 0.0,
+    timings = {"decode_detect_ms": photo.found_ms, "queue_ms": float(out.queue_ms.max()) if faces else 0.0,
+               "inference_ms": float(out.inference_ms.max()) if faces else 0.0,
                "total_ms": (time.perf_counter() - start) * 1e3}
     return {"image_size": list(size), "faces": faces, "timings_ms": timings}
 

@@ -1,8 +1,8 @@
 """Multipart uploads, parsed from the whole body with python-multipart's streaming parser.
 
-FastAPI's File parameters spool every part to a SpooledTemporaryFile and build UploadFile objects: about
-0.1 ms of CPU per request more than this, a seventh of the service's whole per-image budget. The body size is
-already bounded by the BodyLimit middleware, so each part is kept as bytes.
+FastAPI's File parameters spool every part to a SpooledTemporaryFile and build UploadFile objects, which cost a
+request more CPU than this (docs/performance.md#service-overhead-raw-session-vs-http). The body size is already
+bounded by the BodyLimit middleware, so each part is kept as bytes.
 """
 from fastapi import Request
 from python_multipart.exceptions import FormParserError
