@@ -132,12 +132,20 @@ class Pipeline:
         self.attention_outputs = list(entry.attention["outputs"].values()) if entry.attention else []
         self.stats = metrics.request_observer(self.name, str(entry.version))
         self._queue_series: dict[str, object] = {}  # by graph (_queue_seconds)
+        self._batching: BatchingPolicy | None = None
         self._decoded_on = {where: metrics.images_decoded.labels(self.name, where) for where in DecodeOn}
 
     @property
     def batching(self) -> BatchingPolicy:
-        """The batching of the graph that runs this model's batches (its manifest's, where it has one)."""
-        return BatchingPolicy.of(self.settings, graph_entry(self.backend.entries, self.backend.status(), self.key))
+        """The batching of the graph that runs this model's batches (its manifest's, where it has one): read once
+        the backend has said which graph that is (a reload makes a new pipeline)."""
+        if self._batching is not None:
+            return self._batching
+        status = self.backend.status()
+        policy = BatchingPolicy.of(self.settings, graph_entry(self.backend.entries, status, self.key))
+        if getattr(status.get(self.key), "graph", None):
+            self._batching = policy
+        return policy
 
     async def images(self, uploads: list[bytes], top_k: int = 1, for_maps: bool = False) -> Results:
         """`run_images`, where the response cache is on (and no photo is kept for a map) for the uploads it has not
