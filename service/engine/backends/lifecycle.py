@@ -42,8 +42,10 @@ class Graphs(Protocol):
     inference: Executor  # the inference threads: sessions open there at start-up, before any batch runs
 
     def serve_graph(self, graph: str) -> None:
-        """Batch the graph's requests from now on, by its entry's batching (its runner is in ModelLifecycle.runners);
-        again after a reload, whose manifest may batch otherwise."""
+        """Batch the graph's requests from now on, by its entry's batching (its runner is in ModelLifecycle.runners)."""
+
+    def rebatch_graph(self, graph: str) -> None:
+        """The graph reloaded: its batches from now on follow its entry's batching as it is now."""
 
     async def graph_settled(self, graph: str) -> None:
         """Every batch of the graph started so far has ended."""
@@ -265,6 +267,7 @@ class ModelLifecycle:
     def _switch(self, entry: ModelEntry, plan: Plan, runner: Runner) -> None:
         """Batches that start from now on run the entry's new session."""
         key, graph = entry.key, plan.graph
+        new_graph = graph not in self.runners
         self.runners[graph] = runner
         self.explainers.pop(graph, None)
         if key in self.by_key:
@@ -275,7 +278,10 @@ class ModelLifecycle:
         model_folder = entry.location.split("/")[0]  # its problems, any version's, are solved
         for where in [w for w in self.problems if w.split("/")[0] == model_folder]:
             del self.problems[where]
-        self.graphs.serve_graph(graph)
+        if new_graph:
+            self.graphs.serve_graph(graph)
+        else:
+            self.graphs.rebatch_graph(graph)
         self._ready(key, runner.provider, self.status[key].loads + 1 if key in self.status else 1)
 
     async def unload(self, model: str) -> None:

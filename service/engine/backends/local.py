@@ -88,15 +88,15 @@ class LocalBackend:
     # -- the graphs' batching (lifecycle.Graphs) ----------------------------------------------------------
     def serve_graph(self, graph: str) -> None:
         policy = BatchingPolicy.of(self.settings, self.models.by_key[graph])
-        if graph in self.batchers:  # reloaded: the batches it starts from now on follow its manifest as it is now
-            self.batchers[graph].policy = policy
-            return
         models = [i for i, e in enumerate(self.entries) if self.models.plans[e.key].graph == graph]  # (board index)
         self.batchers[graph] = Batcher(graph, self._run_batch(graph), self.inference, self.metrics, policy,
                                        self.concurrency, partial(self.boards.coming, models),
                                        partial(self._tell_jpeg_room, graph, models))
         self._tell_jpeg_room(graph, models)
         self.batchers[graph].start()
+
+    def rebatch_graph(self, graph: str) -> None:
+        self.batchers[graph].policy = BatchingPolicy.of(self.settings, self.models.by_key[graph])
 
     def _tell_jpeg_room(self, graph: str, models: list[int]) -> None:
         """The room in the graph's GPU decoder queue (VITSERVE_GPU_DECODE_QUEUE_BATCHES batches per inference
