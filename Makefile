@@ -67,22 +67,23 @@ serve: $(VENV)/.serving-$(RUNTIME)
 	$(BIN)/python -m service
 
 # Rebuild the embedded model repository from the committed demo weights. The held-out splits (the same
-# images the demo runs were scored on) feed the int8 gate and the accuracies in the manifests.
+# images the demo runs were scored on) feed the int8 gate, the CPU plans' gates (--precision auto: OpenVINO fp32 and
+# bf16, int8 on both runtimes, the bf16 ones verified only on a CPU that has bf16) and the accuracies in the manifests.
 REPO := model_repository
 EXPORT := $(BIN)/python -m export
 models: install
 	$(BIN)/python -m models.synthetic shapes --out $(SHAPES) --train 0 --val 1200 --seed 0
 	$(BIN)/python -m models.synthetic faces --out $(FACES) --train 0 --val 1400 --seed 0
 	$(EXPORT) vit_micro_patch8_96 --weights $(DEMO)/vit_micro_patch8_96/model.safetensors --name shapes-vit \
-		--eval-data $(SHAPES)/val --out $(REPO)
+		--precision auto --eval-data $(SHAPES)/val --out $(REPO)
 	$(EXPORT) vit_micro_patch8_96 --weights $(DEMO)/vit_micro_patch8_96/model.safetensors --name shapes-vit-int8 \
 		--precision int8 --no-explain --eval-data $(SHAPES)/val --out $(REPO)
 	$(EXPORT) deit_micro_distilled_patch8_96 --weights $(DEMO)/deit_micro_distilled_patch8_96/model.safetensors \
-		--name shapes-deit --eval-data $(SHAPES)/val --out $(REPO)
+		--name shapes-deit --precision auto --eval-data $(SHAPES)/val --out $(REPO)
 	$(EXPORT) swin_micro_patch4_window6_96 --weights $(DEMO)/swin_micro_patch4_window6_96/model.safetensors \
-		--name shapes-swin --eval-data $(SHAPES)/val --out $(REPO)
+		--name shapes-swin --precision auto --eval-data $(SHAPES)/val --out $(REPO)
 	$(EXPORT) vit_micro_patch16_fer_112 --weights $(DEMO)/vit_micro_patch16_fer_112/model.safetensors \
-		--name expression-vit --eval-data $(FACES)/val --out $(REPO)
+		--name expression-vit --precision auto --eval-data $(FACES)/val --out $(REPO)
 	$(EXPORT) mini_xception_fer2013_64 --weights models/pretrained/mini_xception_fer2013.safetensors \
 		--name expression-fer2013 --out $(REPO)
 	$(EXPORT) mtcnn --out $(REPO)

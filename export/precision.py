@@ -31,8 +31,10 @@ int8: dynamic quantization for the CPU provider. Only MatMul/Gemm are quantized:
 fp16: for the CUDA provider, float32 inputs and outputs kept; the explicit attention-row Softmax stays in
       float32 (LayerNormalization accumulates in float32 by its own definition, stash_type=1).
 """
+import importlib.util
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import onnx
 import onnx_ir as ir
@@ -40,7 +42,7 @@ from onnxruntime.quantization import QuantType, quantize_dynamic
 from onnxruntime.quantization.shape_inference import quant_pre_process
 from onnxruntime.transformers.float16 import convert_float_to_float16
 
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8", "auto")
 INT8_OP_TYPES = ["MatMul", "Gemm"]
 
 
@@ -78,3 +80,35 @@ def convert_fp16(src: Path, dst: Path) -> onnx.ModelProto:
 
 
 CONVERTERS = {"int8": quantize_int8, "fp16": convert_fp16}
+
+
+class OpenVinoSession:
+    """A graph compiled by OpenVINO for the CPU at a precision, with the face of an ONNX Runtime session that the
+    gate uses (run, get_outputs, get_providers). OpenVINO is the `openvino` extra: imported only here."""
+
+    HINTS = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}  # an int8 graph's own ops run as they are
+
+    def __init__(self, path: Path, precision: str):
+        import openvino
+        self.compiled = openvino.Core().compile_model(str(path), "CPU", {
+            "INFERENCE_PRECISION_HINT": self.HINTS[precision], "PERFORMANCE_HINT": "LATENCY"})
+        self.precision = precision
+
+    def run(self, names: None, feeds: dict) -> list:
+        answer = self.compiled.create_infer_request().infer(feeds)
+        return [answer[output] for output in self.compiled.outputs]
+
+    def get_outputs(self) -> list:
+        return [SimpleNamespace(name=output.get_any_name()) for output in self.compiled.outputs]
+
+    def get_providers(self) -> list[str]:
+        return [f"OpenVINO CPU {self.precision}"]
+
+
+def openvino_capabilities() -> frozenset[str] | None:
+    """What OpenVINO's CPU plugin computes natively here (BF16 where the CPU has AVX512_BF16 or AMX), or None
+    without OpenVINO."""
+    if importlib.util.find_spec("openvino") is None:
+        return None
+    import openvino
+    return frozenset(openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))

@@ -78,12 +78,14 @@ def installed(tag: str) -> dict[str, str]:
     return json.loads(listing)
 
 
-def test_the_cpu_image_is_small_numeric_non_root_and_carries_plain_onnxruntime_without_torch(cpu_image):
+def test_the_cpu_image_is_small_numeric_non_root_and_carries_plain_onnxruntime_and_openvino_without_torch(
+        cpu_image):
     config = json.loads(podman("image", "inspect", cpu_image).stdout)[0]
     assert config["Config"]["User"] == "10001:10001"
     assert "/health/ready" in " ".join(config["Healthcheck"]["Test"])  # kept: built --format docker
     packages = installed(cpu_image)
     assert "onnxruntime" in packages and "onnxruntime-gpu" not in packages and "torch" not in packages
+    assert "openvino" in packages  # the CPU plans' second runtime (service/engine/openvino_runtime.py)
     # OpenCV samples the model's crop (service/images/decode.py), its headless build: no GUI libraries in the image
     assert {name for name in packages if name.startswith("opencv")} == {"opencv-python-headless"}
     pins = dict(line.split("==") for line in (ROOT / "requirements.lock").read_text().splitlines()[1:])
@@ -102,8 +104,9 @@ def ready(url: str) -> bool:
 
 def test_the_cpu_image_serves_every_route_as_a_direct_session_and_stops_cleanly(cpu_image):
     port, grpc_port, name = free_port(), free_port(), f"vitserve-test-{os.getpid()}"
+    # (the first CPU plan, ONNX Runtime's fp32, as the tests' other servers: the answers below are its, to 1e-5)
     started = podman("run", "--detach", "--name", name, "--publish", f"127.0.0.1:{port}:8000",
-                     "--publish", f"127.0.0.1:{grpc_port}:8001", cpu_image)
+                     "--publish", f"127.0.0.1:{grpc_port}:8001", "--env", "VITSERVE_CPU_PLAN=first", cpu_image)
     assert started.returncode == 0, started.stderr
     url = f"http://127.0.0.1:{port}"
     try:

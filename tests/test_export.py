@@ -358,6 +358,25 @@ def test_int8_export_is_gated_on_held_out_images(int8_export):
     assert int8["top1_agreement"] >= 0.99 and 0 <= int8["heldout_accuracy"] <= 1
 
 
+def test_auto_lists_the_cpu_plans_that_pass_their_gate_each_with_its_figures(repo, int8_export, tmp_path):
+    """--precision auto: the fp32 graph first, then each CPU plan gated against it on held-out images (OpenVINO's
+    bf16 only where this CPU computes it, refused with why elsewhere), and the int8 graph they share beside it."""
+    export_main([MICRO["vit"], "--weights", str(repo / "vit.safetensors"), "--precision", "auto", "--name", "vit",
+                 "--eval-data", str(int8_export / "data" / "val"), "--out", str(tmp_path), "--no-explain"])
+    m = json.loads((tmp_path / "vit" / "manifest.json").read_text())
+    assert m["precision"] == "fp32" and set(m["files"]) == {"model", "model_int8"}
+    assert m["plans"][0] == {"runtime": "onnxruntime", "precision": "fp32", "file": "model"}
+    found = {(p["runtime"], p["precision"]) for p in m["plans"]} | {(r["runtime"], r["precision"])
+                                                                    for r in m.get("plans_refused", [])}
+    assert found == {(runtime, precision) for runtime in ("onnxruntime", "openvino") for precision in
+                     ("fp32", "bf16", "int8")} - {("onnxruntime", "bf16")}
+    for plan in m["plans"][1:]:
+        gate = plan["parity"]
+        assert gate["agreement_on"] == "heldout" and gate["top1_agreement"] >= 0.99, plan
+    assert all(r["reason"] for r in m.get("plans_refused", []))
+    assert read_entry(tmp_path / "vit").precision == "fp32"
+
+
 def test_int8_weights_fit_the_avx2_kernels_int16_pair_sums(int8_export):
     """7-bit weights: on an AVX2 CPU without VNNI, ONNX Runtime sums two u8 x s8 products in a saturating int16,
     and 2 * 255 * 64 fits where 2 * 255 * 127 does not (export/precision.py)."""

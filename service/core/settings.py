@@ -117,6 +117,12 @@ class Settings(BaseSettings):
                                             "decoder while fewer than this many batches per inference thread of "
                                             "them wait for it; past that, uploads are decoded on the CPU: the "
                                             "split follows the load (docs/serving.md)")
+    cpu_plan: str = Field("auto", pattern=r"^(auto|first|(onnxruntime|openvino):(fp32|bf16|int8))$",
+                          description="on a CPU host, the runtime and precision of every model: auto, the fastest "
+                                      "here of the plans its export verified (measured at load); first, the first "
+                                      "of them this host runs, unmeasured (the quickest start); or one pinned, "
+                                      "RUNTIME:PRECISION (onnxruntime or openvino, fp32, bf16 or int8): a model "
+                                      "whose export did not verify it fails to load, saying which it did")
     intra_op_threads: int = Field(0, ge=0, description="threads per inference (0: one per core)")
     decode_threads: int = Field(0, ge=0, description="image-decoding threads per process (0: the thread backend one "
                                                      "per core, at most 8; each HTTP worker of the process backend "

@@ -65,7 +65,14 @@ class ModelInfo(BaseModel):
                                             "(x / 255 - mean) / std, which the graph itself does to uint8 `images`")
     precision: str = Field(description="the precision that runs: an fp32 model with an fp16 sibling runs the "
                                        "sibling's graph on CUDA")
-    provider: str | None = Field(description="the ONNX Runtime provider it runs on, once loaded")
+    provider: str | None = Field(description="the ONNX Runtime provider it runs on, once loaded (the CPU's for "
+                                             "OpenVINO too)")
+    plan: str | None = Field(None, description="on a CPU host, the runtime and precision that run it "
+                                               "(RUNTIME:PRECISION), of those its export verified")
+    plan_reason: str | None = Field(None, description="why that plan: the fastest measured here, the only one, "
+                                                      "the first, or pinned by VITSERVE_CPU_PLAN")
+    plan_measured: dict[str, dict[str, float]] | None = Field(
+        None, description="images/s measured at load of each plan this host runs, by batch size")
     graph: str | None = Field(None, description="the model whose graph runs for this name")
     decode: str = Field("cpu", description="where its JPEGs are decoded: cpu (Pillow, in the HTTP workers) or gpu "
                                            "(nvImageCodec, with their batch, straight into the model's input)")

@@ -90,7 +90,7 @@ def model_config(pipelines: Pipelines, name: str, version: str | None) -> dict:
                  "count": batches_in_flight(status.provider), **({"gpus": [0]} if gpu else {})}
     parameters = {"architecture": entry.manifest["architecture"], "task": entry.task,
                   "precision": status.precision or entry.precision, "provider": status.provider or "",
-                  "graph": status.graph or pipeline.key}
+                  "graph": status.graph or pipeline.key, **({"plan": status.plan} if status.plan else {})}
     return {
         "name": pipeline.name, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
         "version_policy": _version_policy(entry.folder),

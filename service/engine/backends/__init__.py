@@ -43,6 +43,11 @@ class ModelStatus:
     unloaded: bool = False  # taken out of service (POST /v2/repository/models/NAME/unload): requests get 404
     loads: int = 1  # how many times it was (re)loaded: a worker re-reads its manifest when this changes
     last_failure: str | None = None  # why the last (re)load failed, while what served before still serves
+    # on the CPU: the plan that runs it (RUNTIME:PRECISION, engine/cpu_plans.py), why, and the images/s measured of
+    # each plan by batch size where several could run
+    plan: str | None = None
+    plan_reason: str | None = None
+    plan_measured: dict[str, dict[str, float]] | None = None
 
     @property
     def settled(self) -> bool:
@@ -119,9 +124,9 @@ class Backend(Protocol):
 
     async def run(self, model: str, lease: Lease, top_k: int, jpegs: list[bytes] | None = None,
                   shared: SharedIO | None = None) -> None:
-        """Batch, run and unbatch: results are in the lease's records when it returns (for Kind.JPEG records, `jpegs` holds
-        their bytes), and in shared memory where `shared` says (its input, if it names one, is read from there, and
-        the records' input is not). Overloaded: Unavailable; a slice of a region that is not registered or too
+        """Batch, run and unbatch: results are in the lease's records when it returns (for Kind.JPEG records, `jpegs`
+        holds their bytes), and in shared memory where `shared` says (its input, if it names one, is read from there,
+        and the records' input is not). Overloaded: Unavailable; a slice of a region that is not registered or too
         small: BadInput."""
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:

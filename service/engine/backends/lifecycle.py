@@ -30,6 +30,8 @@ from service.core.settings import Settings
 from ..batching import BatchingPolicy
 from ..heads import HEADS
 from ..records import KINDS, Kind, record_dtype
+from ..cpu_plans import Choice, choose
+from ..openvino_runtime import OpenVinoRunner
 from ..runtime import CPU, CUDA, Plan, Runner, serving_plan
 from . import DecodeOn, ModelStatus
 
@@ -58,6 +60,11 @@ async def _at_once(generation: int) -> None:
     pass
 
 
+def chosen_status(chosen: Choice) -> dict:
+    """What a model's status says of the CPU plan it runs (ModelStatus.plan...)."""
+    return {"plan": chosen.plan.name, "plan_reason": chosen.reason, "plan_measured": chosen.measured or None}
+
+
 def no_head(entry: ModelEntry) -> str:
     return f"its task {entry.task!r} has no head in this server (service/engine/heads.py)"
 
@@ -78,6 +85,7 @@ class ModelLifecycle:
         self.status = {e.key: ModelStatus() for e in entries}
         self.runners: dict[str, Runner] = {}  # by graph
         self.explainers: dict[str, Runner] = {}  # by graph, opened on first use (LocalBackend.explain)
+        self.cpu_plans: dict[str, Choice | None] = {}  # by graph: the plan chosen on the CPU (None on CUDA)
         self.jpeg_decoders: dict[str, object] = {}  # by graph: GPU JPEG decoders (gpu_decode.py), where they work
         self.decode_reasons: dict[str, str] = {}  # by graph: why its GPU decoder did not start (ModelStatus)
         self.device = CPU
@@ -131,11 +139,13 @@ class ModelLifecycle:
         for graph, plan in graphs.items():
             start = time.perf_counter()
             try:
-                self.runners[graph] = await loop.run_in_executor(threads, self._open, self.by_key[graph], plan)
+                self.runners[graph], chosen = await loop.run_in_executor(threads, self._open, self.by_key[graph],
+                                                                         plan)
             except Exception as e:  # one broken model must not keep the others from serving
                 for name in names[graph]:
-                    self._fail(name, str(e))
+                    self._fail(name, getattr(e, "message", str(e)))
             else:
+                self.cpu_plans[graph] = chosen
                 self.metrics.load_seconds.labels(self.by_key[graph].name).observe(time.perf_counter() - start)
         for graph, runner in self.runners.items():
             if runner.provider == CUDA and self.settings.gpu_decode:
@@ -151,35 +161,46 @@ class ModelLifecycle:
             for name in names[graph]:
                 self._ready(name, runner.provider)
 
-    def _open(self, entry: ModelEntry, plan: Plan) -> Runner:
-        runner = Runner(entry.path(), input_names(entry), list(plan.providers), self.settings.intra_op_threads,
-                        self.settings.spin_wait, self.settings.cuda_tf32, self.settings.cuda_graph_max_batch,
-                        self.settings.iobinding)
+    def _open(self, entry: ModelEntry, plan: Plan) -> tuple[Runner | OpenVinoRunner, Choice | None]:
+        """The graph's runner, warmed up; on the CPU, in the plan of its export's that cpu_plans chose (with how)."""
+        settings, batches = self.settings, sorted({1, BatchingPolicy.of(self.settings, entry).max_batch_size})
+        chosen = None
+        if plan.provider == CPU:
+            chosen = choose(entry, input_names(entry), batches, settings.cpu_plan, settings.intra_op_threads,
+                            settings.spin_wait, settings.iobinding)
+            runner = chosen.runner
+            log.info("%s runs on %s: %s%s", entry.key, chosen.plan.name, chosen.reason,
+                     f" {chosen.measured} images/s" if chosen.measured else "")
+        else:
+            runner = Runner(entry.path(), input_names(entry), list(plan.providers), settings.intra_op_threads,
+                            settings.spin_wait, settings.cuda_tf32, settings.cuda_graph_max_batch, settings.iobinding)
         # first runs allocate memory and pick kernels: do them before the first request does
         h, w = entry.policy.size
         start, no_tensors = time.perf_counter(), np.zeros((0, 3, h, w), np.float32)
-        for batch in sorted({1, BatchingPolicy.of(self.settings, entry).max_batch_size}):
+        for batch in batches:
             images = runner.host_batch(batch)  # sizes this thread's batch buffer too
             images[:] = 0
             for _ in range(self.settings.warmup_runs):
                 runner.run(images, no_tensors)
         log.debug("%s warmed up in %.2fs", entry.key, time.perf_counter() - start)
-        return runner
+        return runner, chosen
 
     def _ready(self, name: str, provider: str, loads: int = 1) -> None:
         plan, entry = self.plans[name], self.by_key[name]
         decode_on = DecodeOn.GPU if plan.graph in self.jpeg_decoders else DecodeOn.CPU
         reason = None
-        if decode_on == DecodeOn.CPU and provider == CUDA and self.settings.gpu_decode:  # wanted, and not there: say why
+        if decode_on == DecodeOn.CPU and provider == CUDA and self.settings.gpu_decode:  # wanted and not there: why
             reason = self.decode_reasons.get(plan.graph, "GPU decoding is set up at start-up only, and this graph "
                                                          "was loaded later")
-        self.status[name] = ModelStatus(True, None, provider, plan.precision, plan.graph, decode_on, reason,
-                                         loads=loads)
+        chosen = self.cpu_plans.get(plan.graph)
+        precision = chosen.plan.precision if chosen else plan.precision
+        self.status[name] = ModelStatus(True, None, provider, precision, plan.graph, decode_on, reason, loads=loads,
+                                        **(chosen_status(chosen) if chosen else {}))
         self.metrics.ready.labels(name).set(1)
         self.metrics.loads.labels(entry.name, "ok").inc()
-        self._info(name, (entry.name, str(entry.version), entry.manifest["architecture"], entry.task, plan.precision,
+        self._info(name, (entry.name, str(entry.version), entry.manifest["architecture"], entry.task, precision,
                           provider))
-        log.info("%s ready on %s (%s, %s%s)", name, provider, entry.manifest["architecture"], plan.precision,
+        log.info("%s ready on %s (%s, %s%s)", name, provider, entry.manifest["architecture"], precision,
                  "" if plan.graph == name else f", the graph of {plan.graph}")
         self._changed()
 
@@ -224,7 +245,7 @@ class ModelLifecycle:
             self.metrics.load_seconds.labels(model).observe(time.perf_counter() - start)
             replaced = [self.runners.get(plans[e.key].graph) for e in changed]
             for entry in changed:
-                self._switch(entry, plans[entry.key], runners[entry.key])
+                self._switch(entry, plans[entry.key], *runners[entry.key])
             for entry in changed:  # batches that took a replaced runner finish before it is let go
                 await self.graphs.graph_settled(plans[entry.key].graph)
             if any(runner is not None for runner in replaced):
@@ -264,11 +285,12 @@ class ModelLifecycle:
         self._changed()
         return BadInput(f"{model} failed to load: {reason}", "load_failed")
 
-    def _switch(self, entry: ModelEntry, plan: Plan, runner: Runner) -> None:
+    def _switch(self, entry: ModelEntry, plan: Plan, runner: Runner | OpenVinoRunner, chosen: Choice | None
+                ) -> None:
         """Batches that start from now on run the entry's new session."""
         key, graph = entry.key, plan.graph
         new_graph = graph not in self.runners
-        self.runners[graph] = runner
+        self.runners[graph], self.cpu_plans[graph] = runner, chosen
         self.explainers.pop(graph, None)
         if key in self.by_key:
             self.entries[self.entries.index(self.by_key[key])] = entry

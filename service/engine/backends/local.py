@@ -26,6 +26,8 @@ from service.explain.cache import AttentionCache, AttentionResult
 from service.images.decode import upload_input
 
 from ..batching import Batcher, BatchingPolicy, QueueFull
+from ..cpu_plans import CpuPlan, open_runner
+from ..openvino_runtime import OpenVinoRunner
 from ..heads import head
 from ..records import Kind, Part, host_inputs, kind_of, record_dtype, row_numbers, spans, write_results
 from ..runtime import Runner, batches_in_flight, choose_device, cuda_blocking_sync
@@ -233,15 +235,23 @@ class LocalBackend:
 
         def work() -> list[np.ndarray]:
             if graph not in models.explainers:  # only the inference threads get here; a second open is harmless
-                models.explainers[graph] = Runner(verify_file(entry, "explain"), input_names(entry),
-                                                  list(models.plans[model].providers), self.settings.intra_op_threads,
-                                                  self.settings.spin_wait, self.settings.cuda_tf32,
-                                                  iobinding=self.settings.iobinding)
+                models.explainers[graph] = self._explainer(entry, graph, model)
             h, w = entry.policy.size
             outputs = models.explainers[graph].run(image[None], np.zeros((0, 3, h, w), np.float32))
             return [outputs[name][0] for name in entry.manifest["attention"]["explain_outputs"]]
 
         return await asyncio.get_running_loop().run_in_executor(self.inference, work)
+
+    def _explainer(self, entry: ModelEntry, graph: str, model: str) -> Runner | OpenVinoRunner:
+        """The explain graph's runner: on the CPU in the runtime of the plan that runs the model, at its precision
+        (fp32 for an int8 plan: the explain graph is not quantized), else as the model's own graph."""
+        path, settings, chosen = verify_file(entry, "explain"), self.settings, self.models.cpu_plans.get(graph)
+        if chosen is not None:
+            precision = "fp32" if chosen.plan.precision == "int8" else chosen.plan.precision
+            return open_runner(path, input_names(entry), CpuPlan(chosen.plan.runtime, precision, "explain"),
+                               settings.intra_op_threads, settings.spin_wait, settings.iobinding)
+        return Runner(path, input_names(entry), list(self.models.plans[model].providers), settings.intra_op_threads,
+                      settings.spin_wait, settings.cuda_tf32, iobinding=settings.iobinding)
 
     # -- shared memory (the inference process's, under the process backend) --------------------------------
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:

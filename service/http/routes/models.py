@@ -17,7 +17,8 @@ def model_info(pipeline: Pipeline, status: ModelStatus) -> ModelInfo:
         name=pipeline.name, version=pipeline.entry.version, architecture=m["architecture"], family=m["family"],
         task=m["task"], labels=m["labels"], scores=pipeline.entry.scores,
         input_size=m["input"]["size"], preprocessing=pipeline.entry.preprocessing,
-        precision=status.precision or m["precision"], provider=status.provider,
+        precision=status.precision or m["precision"], provider=status.provider, plan=status.plan,
+        plan_reason=status.plan_reason, plan_measured=status.plan_measured,
         graph=status.graph, decode=status.decode, decode_reason=status.decode_reason, ready=status.ready,
         error=status.error, attention=pipeline.entry.attention, explain=pipeline.entry.has("explain"), parity=m["parity"])
 
