@@ -438,9 +438,9 @@ def test_where_cuda_serves_and_gpu_decoding_does_not_start_models_says_why(backe
     opened = ModelLifecycle._open
 
     def on_cuda(self, entry, plan):
-        runner = opened(self, entry, plan)
+        runner, chosen = opened(self, entry, plan)
         runner.provider = CUDA if entry.name != "shapes-vit-int8" else runner.provider  # int8 runs on the CPU
-        return runner
+        return runner, chosen
 
     monkeypatch.setattr(nvimgcodec, "Decoder", no_gpu)
     monkeypatch.setattr(ModelLifecycle, "_open", on_cuda)
@@ -472,9 +472,9 @@ def test_a_graph_loaded_after_start_up_decodes_on_the_cpu_and_models_says_why(ba
     opened, decoders = ModelLifecycle._open, {}
 
     def on_cuda(self, entry, plan):
-        runner = opened(self, entry, plan)
+        runner, chosen = opened(self, entry, plan)
         runner.provider = CUDA
-        return runner
+        return runner, chosen
 
     def on_the_host(policy, model, max_batch):  # what lifecycle's start-up calls, here without a GPU to build on
         decoders[model] = CountingDecoder(policy)
