@@ -18,8 +18,8 @@ import httpx
 import pytest
 from fault_graphs import fragile, stalling
 from prometheus_client.parser import text_string_to_metric_families
-from service_process import (ROOT, direct_probabilities, leave_mid_request, metric, photo_bytes, process_metrics,
-                             role_pids, running_service, service_and_process)
+from service_process import (ROOT, connections_to_every_worker, direct_probabilities, leave_mid_request, metric,
+                             photo_bytes, process_metrics, role_pids, running_service, service_and_process)
 
 from repository import sha256
 from service.engine.backends.heartbeat import HEARTBEAT, Heartbeat
@@ -263,6 +263,7 @@ def test_a_hung_inference_process_is_unready_then_replaced(supervised):
 def test_a_killed_http_worker_leaves_the_others_serving(supervised):
     url, supervisor = supervised
     workers = every_worker(supervisor, 2)
+    ready_on_every_worker(url, 2, WARM_UP_S)  # each worker joins a replaced inference process on its own time
     victim = min(workers)
     os.kill(victim, signal.SIGKILL)
     answers = [httpx.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)}, timeout=30) for _ in range(8)]
@@ -329,6 +330,27 @@ def test_too_many_crashes_within_the_window_stop_the_service_with_status_1(small
 
 def restart_count(url: str) -> float:
     return metric(httpx.get(f"{url}/metrics", timeout=10).text, "vitserve_inference_restarts_total")
+
+
+def ready_on_every_worker(url: str, workers: int, timeout_s: float) -> None:
+    """Until each of the `workers` HTTP workers answers /health/ready 200 on a connection it holds: ready from one
+    says nothing of another, which may not yet have joined a new inference process."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = connections_to_every_worker(url, workers, each=1)
+        statuses = []
+        for (client,) in held.values():
+            connection = http.client.HTTPConnection("127.0.0.1")
+            connection.sock = client  # this worker's connection, not one the kernel hands to either
+            connection.request("GET", "/health/ready")
+            answer = connection.getresponse()
+            answer.read()
+            statuses.append(answer.status)
+            connection.close()
+        if set(statuses) == {200}:
+            return
+        assert time.monotonic() < deadline, f"workers' readiness {statuses}"
+        time.sleep(0.2)
 
 
 def wait_until_ready(url: str, timeout_s: float) -> None:
