@@ -1,6 +1,8 @@
 """ONNX graphs of a model: dynamo export at opset 23 with a dynamic batch axis, and what is in them.
 
-The main graph outputs the logits and what attention maps need, computed beside the fused attention:
+The main graph outputs the logits, what attention maps need, computed beside the fused attention, and the
+embedding (`embeddings` [B, D], the pre-logits feature the classifier reads: models' `forward_head(pre_logits=True)`;
+a model without a classifier, num_classes 0, outputs it first and no logits):
   ViT/DeiT: `cls_attention` [B, heads, patches], the last block's [CLS] row over the patches (the distilled
             DeiT adds `dist_attention`, the distillation token's row);
   Swin:     `attention` [B, heads, H*W], the attention each last-stage token receives in the last block,
@@ -32,6 +34,7 @@ from models.vision_transformer import VisionTransformer
 
 OPSET = 23
 IMAGES, TENSOR = "images", "pixel_values"
+EMBEDDINGS = "embeddings"  # the pre-logits feature, un-normalised (the service normalises it where asked)
 FUSED_ATTENTION = {"Attention", "com.microsoft:MultiHeadAttention", "com.microsoft:Attention"}
 
 
@@ -99,7 +102,7 @@ class MatMulPatchEmbed(nn.Module):
         self.patch = conv.kernel_size[0]
         weight = conv.weight.detach().permute(0, 2, 3, 1).flatten(1).t().double()  # rows in the patches' order
         scale, shift = (v.double().repeat(self.patch ** 2) for v in normalisation(mean, std))  # channel fastest
-        bias = conv.bias.detach().double()
+        bias = (conv.bias.detach() if conv.bias is not None else torch.zeros(conv.out_channels)).double()  # CLIP: none
 
         def frozen(t: torch.Tensor) -> nn.Parameter:
             return nn.Parameter(t.float().contiguous(), requires_grad=False)
@@ -169,6 +172,11 @@ def input_module(model: nn.Module) -> nn.Module:
     return ImageInput(model.spec.mean, model.spec.std)
 
 
+def is_embedding_model(model: nn.Module) -> bool:
+    """A transformer without a classifier (num_classes 0): its graph outputs the embedding and no logits."""
+    return has_attention(model) and not model.num_classes
+
+
 class MainGraph(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -180,16 +188,20 @@ class MainGraph(nn.Module):
         if not has_attention(self.model):
             return ["logits"]
         if isinstance(self.model, SwinTransformer):
-            return ["logits", "attention"]
-        return ["logits", "cls_attention", "dist_attention"] if self.model.distilled else ["logits", "cls_attention"]
+            attention = ["attention"]
+        else:
+            attention = ["cls_attention", "dist_attention"] if self.model.distilled else ["cls_attention"]
+        return [EMBEDDINGS, *attention] if is_embedding_model(self.model) else ["logits", *attention, EMBEDDINGS]
 
     def forward(self, images: torch.Tensor, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not has_attention(self.model):
             return (self.model(self.input(images, pixel_values)),)
-        logits, attention = self.model.forward_with_attention(self.input(images, pixel_values))
-        if isinstance(self.model, SwinTransformer):
-            return logits, attention
-        return (logits, *attention.unbind(dim=2))  # one [B, heads, patches] output per prefix token
+        tokens, attention = self.model.features_with_attention(self.input(images, pixel_values))
+        attention = [attention] if isinstance(self.model, SwinTransformer) else attention.unbind(dim=2)  # per token
+        embedding = self.model.forward_head(tokens, pre_logits=True)
+        if is_embedding_model(self.model):
+            return embedding, *attention
+        return self.model.forward_head(tokens), *attention, embedding
 
 
 class ExplainGraph(nn.Module):

@@ -22,11 +22,13 @@ from skimage import data as photos
 from models.data import ImageFolder, list_images, normalise, preprocess
 from repository import graph_inputs
 
-from .graph import IMAGES, TENSOR
+from .graph import EMBEDDINGS, IMAGES, TENSOR
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "hubble_deep_field", "immunohistochemistry", "coins")
 FP32_ABS_TOLERANCE = 1e-4
 MIN_TOP1_AGREEMENT = 0.99
+MIN_EMBEDDING_COSINE = 0.99  # an embedding model's reduced-precision gate (it has no decisions to agree on)
+LOGITS = "logits"
 MAX_RELATIVE_LOGIT_ERROR = 0.05  # of the logits' spread; measured: fp16 0.1% (ViT-B/16 on an H100), int8 2% (DeiT-Ti)
 
 
@@ -85,45 +87,61 @@ def _agreement(a: np.ndarray, b: np.ndarray) -> float:
     return float((a.argmax(1) == b.argmax(1)).mean())
 
 
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """The least cosine similarity between the rows of a and b: how far the worst embedding turned."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+
+
+def _attention(diffs: dict[str, float]) -> dict[str, float]:
+    return {name: d for name, d in diffs.items() if name not in (LOGITS, EMBEDDINGS)}
+
+
 def check_fp32(session: ort.InferenceSession, module: torch.nn.Module, inputs: GateInputs) -> dict:
-    """ONNX Runtime against PyTorch; raises ParityError beyond tolerance."""
+    """ONNX Runtime against PyTorch, every output; raises ParityError beyond tolerance."""
     names = [o.name for o in session.get_outputs()]
     got, want = run_session(session, inputs.probe), run_torch(module, inputs.probe)
+    diffs = _max_diffs(names, got, want)
     # the photos once more, as uint8 through the graph's own normalisation
     from_images = _max_diffs(names, run_session(session, inputs.photos), [w[:len(inputs.photos)] for w in want])
-    report = {
-        "reference": "torch",
-        "provider": session.get_providers()[0],
-        "inputs": inputs.sources,
-        "logits_max_abs_diff": float(np.abs(got[0] - want[0]).max()),
-        "top1_agreement": _agreement(got[0], want[0]),
-        "attention_max_abs_diff": _max_diffs(names[1:], got[1:], want[1:]),
-        "images_input_max_abs_diff": from_images,
-    }
-    worst = max([report["logits_max_abs_diff"], *report["attention_max_abs_diff"].values(), *from_images.values()])
+    report = {"reference": "torch", "provider": session.get_providers()[0], "inputs": inputs.sources}
+    if LOGITS in names:
+        report.update(logits_max_abs_diff=diffs[LOGITS], top1_agreement=_agreement(got[0], want[0]))
+    report["attention_max_abs_diff"] = _attention(diffs)
+    if EMBEDDINGS in names:
+        report["embeddings_max_abs_diff"] = diffs[EMBEDDINGS]
+    report["images_input_max_abs_diff"] = from_images
+    worst = max([*diffs.values(), *from_images.values()])
     if worst > FP32_ABS_TOLERANCE:
         raise ParityError(f"ONNX Runtime differs from PyTorch by {worst:.3g} (tolerance {FP32_ABS_TOLERANCE}): "
                           f"{report}")
-    if inputs.heldout is not None:
+    if inputs.heldout is not None and LOGITS in names:
         logits = run_session(session, inputs.heldout)[0]
         report["heldout_accuracy"] = float((logits.argmax(1) == inputs.heldout_labels.numpy()).mean())
     return report
 
 
 def check_reduced(session: ort.InferenceSession, fp32: ort.InferenceSession, inputs: GateInputs) -> dict:
-    """A reduced-precision graph against the fp32 graph: top-1 agreement, on the held-out set if given."""
+    """A reduced-precision graph against the fp32 graph: top-1 agreement, on the held-out set if given; an embedding
+    model (no logits) by how far its embeddings turned (min_cosine)."""
     heldout = inputs.heldout is not None
     x = inputs.heldout if heldout else inputs.probe
+    names = [o.name for o in session.get_outputs()]
     got, want = run_session(session, x), run_session(fp32, x)
-    report = {
-        "reference": "fp32 graph",
-        "provider": session.get_providers()[0],
-        "inputs": inputs.sources,
-        "agreement_on": "heldout" if heldout else "probe",
-        "top1_agreement": _agreement(got[0], want[0]),
-        "logits_max_abs_diff": float(np.abs(got[0] - want[0]).max()),
-        "attention_max_abs_diff": _max_diffs([o.name for o in session.get_outputs()[1:]], got[1:], want[1:]),
-    }
+    report = {"reference": "fp32 graph", "provider": session.get_providers()[0], "inputs": inputs.sources,
+              "agreement_on": "heldout" if heldout else "probe"}
+    diffs = _max_diffs(names, got, want)
+    if EMBEDDINGS in names:
+        at = names.index(EMBEDDINGS)
+        report["embeddings_min_cosine"] = min_cosine(got[at], want[at])
+    if LOGITS not in names:
+        report["attention_max_abs_diff"] = _attention(diffs)
+        if report["embeddings_min_cosine"] < MIN_EMBEDDING_COSINE:
+            raise ParityError(f"the reduced-precision graph fails the gate (every embedding within cosine "
+                              f"{MIN_EMBEDDING_COSINE} of fp32's): the least is {report['embeddings_min_cosine']:.4f}")
+        return report
+    report.update(top1_agreement=_agreement(got[0], want[0]), logits_max_abs_diff=diffs[LOGITS],
+                  attention_max_abs_diff=_attention(diffs))
     if heldout:
         labels = inputs.heldout_labels.numpy()
         report["heldout_accuracy"] = float((got[0].argmax(1) == labels).mean())

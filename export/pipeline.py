@@ -28,9 +28,9 @@ from repository import versions
 
 from . import manifest as mf
 from .fusion import fuse_for_ort
-from .graph import (IMAGES, OPSET, TENSOR, ExplainGraph, MainGraph, expected_attention_blocks, export_form,
-                    export_graph, export_program, fused_attention_count, has_attention, op_counts, save_graph,
-                    unfused_attention)
+from .graph import (EMBEDDINGS, IMAGES, OPSET, TENSOR, ExplainGraph, MainGraph, expected_attention_blocks,
+                    export_form, export_graph, export_program, fused_attention_count, has_attention,
+                    is_embedding_model, op_counts, save_graph, unfused_attention)
 from .parity import FP32_ABS_TOLERANCE, ParityError, check_fp32, check_reduced, gate_inputs, run_session, run_torch
 from .precision import CONVERTERS, OpenVinoSession, openvino_capabilities, quantize_int8
 
@@ -137,11 +137,20 @@ def _attention_section(model: nn.Module, explain_outputs: list[str]) -> dict | N
     return section
 
 
+def _embedding_section(model: nn.Module, proto) -> dict | None:
+    """The manifest's `embedding`: which output, its size and how it pools the tokens (the transformers')."""
+    if not has_attention(model):
+        return None
+    (dims,) = [o.type.tensor_type.shape.dim for o in proto.graph.output if o.name == EMBEDDINGS]
+    return {"output": EMBEDDINGS, "size": dims[-1].dim_value, "pooling": model.embedding_pooling}
+
+
 def _outputs(proto) -> list[dict]:
     descriptions = {"logits": "class scores before softmax",
                     "cls_attention": "last block, [CLS] query over the patches, per head",
                     "dist_attention": "last block, distillation-token query over the patches, per head",
-                    "attention": "last block, attention each token receives, mean over its window's queries"}
+                    "attention": "last block, attention each token receives, mean over its window's queries",
+                    EMBEDDINGS: "the image's embedding, the pre-logits feature, not normalised"}
     out = []
     for value in proto.graph.output:
         dims = [d.dim_value if d.HasField("dim_value") else "batch" for d in value.type.tensor_type.shape.dim]
@@ -203,6 +212,14 @@ def publish(work: Path, target: Path, manifest: dict, log: Progress) -> Path:
     return target
 
 
+def _gated(report: dict) -> str:
+    """A reduced-precision gate's figures, for the log."""
+    if "top1_agreement" not in report:
+        return f"embeddings' least cosine to fp32's {report['embeddings_min_cosine']:.5f}"
+    return (f"top-1 agreement {report['top1_agreement']:.4f}, logit error {report['logits_relative_error']:.2%} of the "
+            "spread")
+
+
 def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progress) -> tuple[object, dict, dict]:
     """Export, prove the attention fused, gate against PyTorch (and the reduced precision against fp32)."""
     main = MainGraph(model)
@@ -214,8 +231,11 @@ def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progr
     log(f"{fused_attention_count(counts)} fused attention ops, none unfused")
     fp32 = session_for(fp32_path, ["CPUExecutionProvider"])
     parity = check_fp32(fp32, main, inputs)
-    log(f"parity vs PyTorch: logits max |diff| {parity['logits_max_abs_diff']:.2e}, "
-        f"top-1 agreement {parity['top1_agreement']:.3f}")
+    if "logits_max_abs_diff" in parity:
+        log(f"parity vs PyTorch: logits max |diff| {parity['logits_max_abs_diff']:.2e}, "
+            f"top-1 agreement {parity['top1_agreement']:.3f}")
+    else:
+        log(f"parity vs PyTorch: embeddings max |diff| {parity['embeddings_max_abs_diff']:.2e}")
     if precision in ("fp32", "auto"):
         return proto, counts, parity
     reports, source, fusions = {"fp32": parity}, fp32_path, {}
@@ -230,9 +250,7 @@ def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progr
     proto = CONVERTERS[precision](source, work / "model.onnx")
     counts = _check_fusion(proto, model, fusions.get("masked attention as MatMuls", 0))
     reduced = check_reduced(session_for(work / "model.onnx", PROVIDERS[precision]), fp32, inputs)
-    log(f"{precision} vs fp32 on {reduced['provider']}: top-1 agreement {reduced['top1_agreement']:.4f}, logit error "
-        f"{reduced['logits_relative_error']:.2%} of the spread "
-        f"on {reduced['agreement_on']}")
+    log(f"{precision} vs fp32 on {reduced['provider']}: {_gated(reduced)} on {reduced['agreement_on']}")
     fp32_path.unlink()
     source.unlink(missing_ok=True)
     return proto, counts, {**reports, precision: reduced}
@@ -254,8 +272,7 @@ def _cpu_plans(work: Path, inputs, log: Progress) -> tuple[list[dict], list[dict
             log(f"{runtime} {precision}: refused, {reason}")
             return
         plans.append({"runtime": runtime, "precision": precision, "file": file, "parity": report})
-        log(f"{runtime} {precision}: top-1 agreement {report['top1_agreement']:.4f}, logit error "
-            f"{report['logits_relative_error']:.2%} of the spread")
+        log(f"{runtime} {precision}: {_gated(report)}")
 
     log("quantizing to int8 (dynamic) for the CPU plans")
     int8 = work / "model.int8.onnx"
@@ -294,13 +311,14 @@ def _resize(spec) -> dict:
     """The manifest's resize: the short side (aspect kept), or exactly resize_to, with its longer side as the side
     of /expression's aligned face squares."""
     if spec.resize_to is None:
-        return {"resize_short_side": round(spec.img_size / spec.crop_pct)}
+        return {"resize_short_side": round(spec.img_size / spec.crop_pct),
+                **({"processor_resize": True} if spec.processor_resize else {})}
     return {"resize_short_side": max(spec.resize_to), "resize_to": list(spec.resize_to)}
 
 
 def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, proto, counts: dict,
               parity: dict, files: dict, explain_outputs: list[str]) -> dict:
-    spec, attention = model.spec, _attention_section(model, explain_outputs)
+    spec, attention, embedding = model.spec, _attention_section(model, explain_outputs), _embedding_section(model, proto)
     family = "swin" if isinstance(model, SwinTransformer) else "vit" if isinstance(model, VisionTransformer) else "cnn"
     in_graph = "cut into patches from NHWC, cast to float32, (x / 255 - mean) / std" if has_attention(model) else \
         "NHWC to NCHW, cast to float32, (x / 255 - mean) / std, then grey: 0.299 R + 0.587 G + 0.114 B"
@@ -310,7 +328,7 @@ def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, 
         "architecture": spec.name,
         "family": family,
         "distilled": bool(getattr(model, "distilled", False)),
-        "task": args.task or spec.task,
+        "task": "embedding" if is_embedding_model(model) else args.task or spec.task,
         "labels": labels,
         "input": {"name": IMAGES, "dtype": "uint8", "layout": "NHWC", "size": [spec.img_size, spec.img_size],
                   **_resize(spec), "crop": "center", "interpolation": spec.interpolation, "mean": list(spec.mean),
@@ -318,6 +336,7 @@ def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, 
         "tensor_input": {"name": TENSOR, "dtype": "float32", "layout": "NCHW"},
         "outputs": _outputs(proto),
         **({"attention": attention} if attention else {}),
+        **({"embedding": embedding} if embedding else {}),
         "precision": args.precision,
         "providers": PROVIDERS[args.precision],
         "opset": OPSET,

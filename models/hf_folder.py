@@ -1,21 +1,26 @@
-"""A Hugging Face transformers folder as a registry model: ViT, DeiT (both heads, or the fine-tuned single head)
-and Swin v1, read without transformers.
+"""A Hugging Face transformers folder as a registry model, read without transformers: ViT, DeiT (both heads, or
+the fine-tuned single head) and Swin v1 classifiers, and embedding models (no classifier): the base ViTModel,
+DeiTModel and SwinModel, Dinov2Model, Dinov2WithRegistersModel, CLIPVisionModel and CLIPVisionModelWithProjection.
 
     folder/config.json                 the architecture, id2label, layer_norm_eps, hidden_act, problem_type
     folder/model.safetensors           (or model.safetensors.index.json with its shards, or pytorch_model.bin)
-    folder/preprocessor_config.json    how the images were resized and normalised (ViT/DeiTImageProcessor)
+    folder/preprocessor_config.json    how the images were resized and normalised (ViT/DeiT/Bit/CLIPImageProcessor)
 
 `read_folder` turns it into a `ModelSpec` (the architecture from the config, the labels from id2label, the input
 policy from the image processor) and a state dict in timm's names: q, k and v joined into qkv, the rest renamed
-(the key map: docs/export.md, "From Hugging Face"). Every setting this cannot serve exactly is refused with one
-sentence naming the key and its value, so that a model never answers differently from transformers in silence.
+(the key map: docs/export.md, "From Hugging Face" and "Embedding folders"). A folder without classifier weights is
+an embedding model: no labels, task "embedding", num_classes 0, its embedding what transformers gives (`pool`).
+Every setting this cannot serve exactly is refused with one sentence naming the key and its value, so that a model
+never answers differently from transformers in silence.
 """
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .registry import ModelSpec
 from .swin_transformer import SwinTransformer
@@ -25,7 +30,12 @@ from .weights import WeightsError, read_state_dict
 # transformers' PILImageResampling values, as the processor's `resample` stores them
 RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 SERVED_RESAMPLE = ("nearest", "bilinear", "bicubic", "lanczos")
-# each processor's defaults where its file leaves a key out (transformers' ViTImageProcessor, DeiTImageProcessor)
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+_SHORT_SIDE_CROP = dict(do_resize=True, size={"shortest_edge": 224}, resample=3, do_center_crop=True,
+                        crop_size={"height": 224, "width": 224}, do_rescale=True, rescale_factor=1 / 255,
+                        do_normalize=True, image_mean=CLIP_MEAN, image_std=CLIP_STD)
+# each processor's defaults where its file leaves a key out (transformers' classes'). BitImageProcessor's are CLIP's:
+# DINOv2's folders set their own (shortest_edge 256, crop 224, ImageNet's mean and std)
 PROCESSOR_DEFAULTS = {
     "ViTImageProcessor": dict(do_resize=True, size={"height": 224, "width": 224}, resample=2, do_center_crop=False,
                               do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
@@ -33,7 +43,10 @@ PROCESSOR_DEFAULTS = {
     "DeiTImageProcessor": dict(do_resize=True, size={"height": 256, "width": 256}, resample=3, do_center_crop=True,
                                crop_size={"height": 224, "width": 224}, do_rescale=True, rescale_factor=1 / 255,
                                do_normalize=True, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]),
+    "BitImageProcessor": _SHORT_SIDE_CROP,
+    "CLIPImageProcessor": _SHORT_SIDE_CROP,
 }
+SERVED = ("vit", "deit", "swin", "dinov2", "dinov2_with_registers", "clip_vision_model")
 EXPRESSIONS = {"angry", "anger", "disgust", "disgusted", "fear", "fearful", "happy", "happiness", "sad", "sadness",
                "surprise", "surprised", "neutral", "contempt"}
 # per block, transformers' module path -> ours (timm's), after q, k and v are joined
@@ -42,6 +55,10 @@ _VIT_BLOCK = {"attention.output.dense": "attn.proj", "layernorm_before": "norm1"
 _VIT_EMBEDDINGS = {"cls_token": "cls_token", "distillation_token": "dist_token", "position_embeddings": "pos_embed",
                    "patch_embeddings.projection": "patch_embed.proj"}
 _SWIN_BLOCK = {**_VIT_BLOCK, "attention.self.relative_position_bias_table": "attn.relative_position_bias_table"}
+_DINOV2_BLOCK = {"attention.output.dense": "attn.proj", "norm1": "norm1", "norm2": "norm2", "mlp.fc1": "mlp.fc1",
+                 "mlp.fc2": "mlp.fc2"}
+_CLIP_BLOCK = {"self_attn.out_proj": "attn.proj", "layer_norm1": "norm1", "layer_norm2": "norm2", "mlp.fc1": "mlp.fc1",
+               "mlp.fc2": "mlp.fc2"}
 
 
 @dataclass(frozen=True)
@@ -77,21 +94,40 @@ def read_folder(folder: str | Path, task: str | None = None) -> HFModel:
     folder = Path(folder)
     config = _json(folder / "config.json")
     kind = config.get("model_type")
-    if kind not in ("vit", "deit", "swin"):
-        raise WeightsError(f"{folder}: model_type {kind!r} is not served; ViT, DeiT and Swin (v1) are")
-    _refuse(config.get("hidden_act", "gelu") != "gelu", "hidden_act", config.get("hidden_act"),
-            "only gelu (erf) is served")
+    _refuse(kind == "clip", "model_type", kind, "a whole CLIP (text and image towers) is not served: save its image "
+            "tower alone (CLIPVisionModelWithProjection.from_pretrained(folder).save_pretrained(out), with the image "
+            "processor) and export that")
+    if kind not in SERVED:
+        raise WeightsError(f"{folder}: model_type {kind!r} is not served; ViT, DeiT, Swin (v1), DINOv2 and CLIP's "
+                           "image tower are")
+    activations = ("quick_gelu", "gelu") if kind == "clip_vision_model" else ("gelu",)
+    _refuse(config.get("hidden_act", activations[0]) not in activations, "hidden_act", config.get("hidden_act"),
+            f"only {' and '.join(activations)} (erf) {'are' if len(activations) > 1 else 'is'} served")
     _refuse(config.get("num_channels", 3) != 3, "num_channels", config.get("num_channels"), "images are RGB")
     files = weight_files(folder)
     state = {k: v.float() for path in files for k, v in read_state_dict(path).items()}
-    labels = _labels(config)
-    arch, state = _swin(config, state) if kind == "swin" else _vit(config, state)
-    policy = _policy(folder / "preprocessor_config.json", config["image_size"])
+    dinov2 = kind.startswith("dinov2")
+    # DINOv2 interpolates its position embedding to whatever it is given: it serves its processor's size
+    img_size, policy = _policy(folder / "preprocessor_config.json", None if dinov2 else config["image_size"])
+    if kind == "swin":
+        arch, state = _swin(config, state)
+    elif kind == "clip_vision_model":
+        arch, state = _clip(config, state)
+    elif dinov2:
+        arch, state = _dinov2(config, state, img_size)
+    else:
+        arch, state = _vit(config, state)
     name = (config.get("architectures") or [kind])[0]
-    expression = task == "expression" or (task is None and {label.lower() for label in labels} <= EXPRESSIONS)
-    spec = ModelSpec(name, SwinTransformer if kind == "swin" else VisionTransformer, arch,
-                     img_size=config["image_size"], num_classes=len(labels), labels=tuple(labels),
-                     task="expression" if expression else "classification", timm=False, **policy)
+    if not any(k.startswith("head.") for k in state):  # no classifier: an embedding model
+        if task not in (None, "embedding"):
+            raise WeightsError(f"--task {task}: the folder holds a base model without a classifier, an embedding model")
+        labels, task = [], "embedding"
+    else:
+        labels = _labels(config)
+        expression = task == "expression" or (task is None and {label.lower() for label in labels} <= EXPRESSIONS)
+        task = "expression" if expression else "classification"
+    spec = ModelSpec(name, SwinTransformer if kind == "swin" else VisionTransformer, arch, img_size=img_size,
+                     num_classes=len(labels), labels=tuple(labels), task=task, timm=False, **policy)
     source = {"folder": str(folder), "model_type": kind, "architectures": config.get("architectures", []),
               **({"transformers_version": config["transformers_version"]} if "transformers_version" in config else {})}
     scores = "sigmoid" if config.get("problem_type") == "multi_label_classification" else "softmax"
@@ -132,17 +168,23 @@ def _labels(config: dict) -> list[str]:
     return [str(id2label[str(i)]) for i in indices]
 
 
-def _no_classifier() -> WeightsError:
-    return WeightsError("the folder holds a base model without a classifier (no classifier.weight): fine-tune it "
-                        "for classification first")
-
-
 def _joined(state: dict[str, torch.Tensor], prefix: str, names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
     """q, k and v at `prefix` + each of `names`, concatenated into one qkv weight (and bias, where they have one)."""
     out = {"weight": torch.cat([state.pop(f"{prefix}{n}.weight") for n in names])}
     if f"{prefix}{names[0]}.bias" in state:
         out["bias"] = torch.cat([state.pop(f"{prefix}{n}.bias") for n in names])
     return out
+
+
+def _encoder(state: dict[str, torch.Tensor], depth: int, layer: str, attention: str, qkv: tuple[str, str, str],
+             block: dict[str, str]) -> list[tuple[str, str]]:
+    """The `depth` blocks at `layer`.i: their q, k and v (at `attention` + each of `qkv`) joined into blocks.i.attn.qkv
+    in `state`, and the rules renaming the rest of each block (`block`: its module paths -> ours)."""
+    for i in range(depth):
+        joined = _joined(state, f"{layer}.{i}.{attention}", qkv)
+        state.update({f"blocks.{i}.attn.qkv.{k}": v for k, v in joined.items()})
+    return [(rf"{re.escape(layer)}\.(\d+)\.{re.escape(theirs)}\.(weight|bias)", rf"blocks.\1.{ours}.\2")
+            for theirs, ours in block.items()]
 
 
 def _renamed(state: dict[str, torch.Tensor], rules: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
@@ -161,16 +203,12 @@ def _renamed(state: dict[str, torch.Tensor], rules: list[tuple[str, str]]) -> di
 def _vit(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
     """ViT or DeiT: the architecture's arguments and the state dict in our names."""
     prefix = next((p for p in ("vit.", "deit.") if any(k.startswith(p) for k in state)), "")
+    # the base model's pooler (dense + tanh) is not its embedding: the final-norm [CLS] is (last_hidden_state[:, 0])
     state = {k.removeprefix(prefix): v for k, v in state.items()
              if not k.startswith((f"{prefix}pooler.", f"{prefix}embeddings.mask_token"))}
-    if not any(k in state for k in ("classifier.weight", "cls_classifier.weight")):
-        raise _no_classifier()
+    classifier = any(k in state for k in ("classifier.weight", "cls_classifier.weight"))
     depth, dim = config["num_hidden_layers"], config["hidden_size"]
-    for i in range(depth):
-        qkv = _joined(state, f"encoder.layer.{i}.attention.attention.", ("query", "key", "value"))
-        state.update({f"blocks.{i}.attn.qkv.{k}": v for k, v in qkv.items()})
-    rules = [(rf"encoder\.layer\.(\d+)\.{re.escape(theirs)}\.(weight|bias)", rf"blocks.\1.{ours}.\2")
-             for theirs, ours in _VIT_BLOCK.items()]
+    rules = _encoder(state, depth, "encoder.layer", "attention.attention.", ("query", "key", "value"), _VIT_BLOCK)
     rules += [(rf"embeddings\.{re.escape(theirs)}(\.weight|\.bias|)", rf"{ours}\1")
               for theirs, ours in _VIT_EMBEDDINGS.items()]
     rules += [(r"layernorm\.(weight|bias)", r"norm.\1"), (r"(cls_)?classifier\.(weight|bias)", r"head.\2"),
@@ -178,7 +216,8 @@ def _vit(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, 
     distilled = "embeddings.distillation_token" in state
     arch = dict(patch_size=config["patch_size"], embed_dim=dim, depth=depth, num_heads=config["num_attention_heads"],
                 mlp_ratio=config["intermediate_size"] / dim, qkv_bias=config.get("qkv_bias", True),
-                distilled=distilled, dist_head="distillation_classifier.weight" in state,
+                # a base DeiT pools both tokens: timm's pre-logits of the distilled DeiT
+                distilled=distilled, dist_head="distillation_classifier.weight" in state or not classifier,
                 norm_eps=config.get("layer_norm_eps", 1e-12))
     return arch, _renamed(state, rules)
 
@@ -199,8 +238,6 @@ def _swin(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str,
                 "before the shift where this model pads after: pick an image_size whose grids divide")
     state = {k.removeprefix("swin."): v for k, v in state.items()
              if not k.endswith(("relative_position_index", "attn_mask")) and not k.startswith("swin.pooler")}
-    if "classifier.weight" not in state:
-        raise _no_classifier()
     for i, depth in enumerate(depths):
         for j in range(depth):
             qkv = _joined(state, f"encoder.layers.{i}.blocks.{j}.attention.self.", ("query", "key", "value"))
@@ -220,6 +257,78 @@ def _swin(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str,
     return arch, state
 
 
+def _dinov2(config: dict, state: dict[str, torch.Tensor], img_size: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Dinov2Model or Dinov2WithRegistersModel: the architecture's arguments (layer scale, registers, the linear
+    probes' [CLS] + patch-mean embedding) and the state dict in our names, the position embedding resized to
+    `img_size`'s grid as transformers resizes it on every call."""
+    registers = config["model_type"] == "dinov2_with_registers"
+    _refuse(config.get("use_swiglu_ffn", False), "use_swiglu_ffn", True,
+            "the SwiGLU MLP (DINOv2's ViT-g) is not built; the MLP of ViT-S, B and L is")
+    dim, heads, patch = config["hidden_size"], config["num_attention_heads"], config["patch_size"]
+    _refuse(config.get("head_dim", dim // heads) * heads != dim, "head_dim", config.get("head_dim"),
+            f"the heads must split hidden_size {dim} evenly")
+    # options transformers 5.23 does not have, and whose effect on the resize this would not reproduce
+    for key, value in config.items():
+        _refuse(key.startswith("interpolat"), key, value, "the position embedding is resized as transformers 5.23 "
+                "resizes it (bicubic to the grid's size, no offset), which has no such option")
+    _refuse(not isinstance(patch, int), "patch_size", patch, "square patches alone are served")
+    _refuse(img_size % patch, "patch_size", patch,
+            f"the processor's {img_size}x{img_size} images are not a whole number of patches")
+    if "classifier.weight" in state:
+        raise WeightsError("classifier.weight in a DINOv2 folder: Dinov2ForImageClassification is not served, its "
+                           "base Dinov2Model is (an embedding model)")
+    depth = config["num_hidden_layers"]
+    state = {k: v for k, v in state.items() if k != "embeddings.mask_token"}
+    state["pos_embed"] = interpolated_pos_embed(state.pop("embeddings.position_embeddings"), img_size // patch,
+                                                antialias=registers)
+    rules = _encoder(state, depth, "encoder.layer", "attention.attention.", ("query", "key", "value"), _DINOV2_BLOCK)
+    rules += [(r"encoder\.layer\.(\d+)\.layer_scale([12])\.lambda1", r"blocks.\1.ls\2.gamma"),
+              (r"embeddings\.cls_token", "cls_token"), (r"embeddings\.register_tokens", "reg_token"),
+              (r"embeddings\.patch_embeddings\.projection\.(weight|bias)", r"patch_embed.proj.\1"),
+              (r"layernorm\.(weight|bias)", r"norm.\1")]
+    arch = dict(patch_size=patch, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=config.get("mlp_ratio", 4),
+                qkv_bias=config.get("qkv_bias", True), norm_eps=config.get("layer_norm_eps", 1e-6),
+                init_values=1.0,  # any: the folder's lambda1 replace it
+                reg_tokens=config.get("num_register_tokens", 4) if registers else 0, global_pool="token_avg")
+    return arch, _renamed(state, rules)
+
+
+def interpolated_pos_embed(pos_embed: torch.Tensor, grid: int, antialias: bool) -> torch.Tensor:
+    """transformers' DINOv2 `interpolate_pos_encoding` (5.23), done once for the served grid: [CLS]'s kept, the patch
+    positions resized bicubically to grid x grid (a size, not a scale factor; align_corners False; antialias in
+    Dinov2WithRegisters alone) in float32; left as they are where the grid is already theirs, as transformers
+    leaves them."""
+    cls, patches = pos_embed[:, :1], pos_embed[:, 1:]
+    old = math.isqrt(patches.shape[1])
+    if old * old != patches.shape[1]:
+        raise WeightsError(f"the position embedding's {patches.shape[1]} patch positions are not a square grid")
+    if old == grid:
+        return pos_embed
+    patches = patches.reshape(1, old, old, -1).permute(0, 3, 1, 2).float()
+    patches = F.interpolate(patches, size=(grid, grid), mode="bicubic", align_corners=False, antialias=antialias)
+    return torch.cat([cls, patches.permute(0, 2, 3, 1).reshape(1, grid * grid, -1)], dim=1)
+
+
+def _clip(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """CLIPVisionModel or CLIPVisionModelWithProjection: a pre-norm ViT (quick-GELU, no patch bias) whose
+    post_layernorm is our final norm and whose visual_projection, where there is one, is `proj`."""
+    # transformers 5 saves CLIPVisionModel without the vision_model. prefix, 4.x and WithProjection with it
+    state = {k.removeprefix("vision_model."): v for k, v in state.items() if not k.endswith("position_ids")}
+    depth, dim = config["num_hidden_layers"], config["hidden_size"]
+    state["cls_token"] = state.pop("embeddings.class_embedding").reshape(1, 1, -1)
+    state["pos_embed"] = state.pop("embeddings.position_embedding.weight")[None]
+    rules = _encoder(state, depth, "encoder.layers", "self_attn.", ("q_proj", "k_proj", "v_proj"), _CLIP_BLOCK)
+    rules += [(r"embeddings\.patch_embedding\.weight", "patch_embed.proj.weight"),
+              (r"pre_layrnorm\.(weight|bias)", r"norm_pre.\1"), (r"post_layernorm\.(weight|bias)", r"norm.\1"),
+              (r"visual_projection\.weight", "proj.weight")]
+    projection = state.get("visual_projection.weight")
+    arch = dict(patch_size=config["patch_size"], embed_dim=dim, depth=depth, num_heads=config["num_attention_heads"],
+                mlp_ratio=config["intermediate_size"] / dim, norm_eps=config.get("layer_norm_eps", 1e-5),
+                pre_norm=True, act_layer=config.get("hidden_act", "quick_gelu"),
+                proj_dim=0 if projection is None else projection.shape[0])
+    return arch, _renamed(state, rules)
+
+
 def _square(size, key: str) -> tuple[int, int]:
     """A processor size as (height, width): an integer is a square."""
     if isinstance(size, int):
@@ -229,13 +338,15 @@ def _square(size, key: str) -> tuple[int, int]:
     raise WeightsError(f"{key} = {size!r} in preprocessor_config.json: expected an integer or height and width")
 
 
-def _policy(path: Path, image_size: int) -> dict:
-    """The ModelSpec's input fields (mean, std, interpolation, crop_pct or resize_to) from the image processor."""
+def _policy(path: Path, image_size: int | None) -> tuple[int, dict]:
+    """The served input size and the ModelSpec's input fields (mean, std, interpolation, crop_pct or resize_to) from
+    the image processor. The processor must give `image_size` x `image_size` images; `image_size` None: any square,
+    served as it is (a model that interpolates its position embedding to the input, DINOv2)."""
     found = _json(path)
     kind = re.sub(r"(Fast|Pil)$", "", found.get("image_processor_type", ""))
     if kind not in PROCESSOR_DEFAULTS:
         raise WeightsError(f"image_processor_type = {found.get('image_processor_type')!r} in {path.name}: "
-                           f"{' and '.join(PROCESSOR_DEFAULTS)} are served")
+                           f"{', '.join(PROCESSOR_DEFAULTS)} are served")
     p = {**PROCESSOR_DEFAULTS[kind], **found}
     _refuse(not p["do_resize"], "do_resize", False, "the service resizes every photo to the model's input")
     _refuse(not p["do_rescale"] or abs(p["rescale_factor"] - 1 / 255) > 1e-9, "rescale_factor",
@@ -246,15 +357,19 @@ def _policy(path: Path, image_size: int) -> dict:
     mean, std = (p["image_mean"], p["image_std"]) if p["do_normalize"] else ([0.0] * 3, [1.0] * 3)
     fields = dict(mean=tuple(mean), std=tuple(std), interpolation=interpolation)
     size = p["size"]
+    out = _square(p["crop_size"], "crop_size") if p["do_center_crop"] else None
     if isinstance(size, dict) and "shortest_edge" in size:  # the short side, the aspect kept: crop_pct's policy
-        resize = None
-        fields["crop_pct"] = image_size / size["shortest_edge"]
+        # without the crop (or with a longest_edge) the input's shape would follow the photo's
+        _refuse(out is None or len(size) > 1, "size", size, "a shortest_edge resize is served with a centre crop alone")
+        _refuse(max(out) > size["shortest_edge"], "crop_size", out,
+                f"the crop is larger than the shortest_edge {size['shortest_edge']}, and transformers pads it")
+        fields.update(crop_pct=out[0] / size["shortest_edge"], processor_resize=True)
     else:
         resize = _square(size, "size")
         fields.update(resize_to=resize, crop_pct=1.0)
-    out = _square(p["crop_size"], "crop_size") if p["do_center_crop"] else resize
-    if out is None:
-        out = (image_size, image_size)
-    _refuse(out != (image_size, image_size), "crop_size" if p["do_center_crop"] else "size", out,
-            f"the processor gives {out[0]}x{out[1]} images and the model's image_size is {image_size}")
-    return fields
+        out = out or resize
+    served = image_size or out[0]
+    _refuse(out != (served, served), "crop_size" if p["do_center_crop"] else "size", out,
+            f"the processor gives {out[0]}x{out[1]} images and the model's image_size is {served}"
+            if image_size else "the model is served square images")
+    return served, fields

@@ -11,13 +11,13 @@ class PatchEmbed(nn.Module):
     """
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int, norm: bool = False,
-                 order: torch.Tensor | None = None):
+                 order: torch.Tensor | None = None, bias: bool = True):
         super().__init__()
         if img_size % patch_size:
             raise ValueError(f"image size {img_size} is not a multiple of the patch size {patch_size}")
         self.grid_size = (img_size // patch_size, img_size // patch_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
         self.norm = nn.LayerNorm(embed_dim) if norm else nn.Identity()
         self.register_buffer("order", order, persistent=False)
 
@@ -26,18 +26,39 @@ class PatchEmbed(nn.Module):
         return self.norm(x if self.order is None else x.index_select(1, self.order))
 
 
-class Mlp(nn.Module):
-    """Transformer feed-forward: Linear -> GELU -> Linear."""
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): OpenAI CLIP's approximation of GELU, which its weights were trained with."""
 
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {"gelu": nn.GELU, "quick_gelu": QuickGELU}  # by timm's names for them (act_layer)
+
+
+class Mlp(nn.Module):
+    """Transformer feed-forward: Linear -> GELU (erf, or `act_layer` by its name in ACTIVATIONS) -> Linear."""
+
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0, act_layer: str = "gelu"):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.GELU()
+        self.act = ACTIVATIONS[act_layer]()
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop = nn.Dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class LayerScale(nn.Module):
+    """A learned per-channel scale of a residual branch (CaiT's, DINOv2's), timm's: its `gamma`."""
+
+    def __init__(self, dim: int, init_values: float):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
 
 
 class DropPath(nn.Module):

@@ -27,12 +27,15 @@ class ModelSpec:
     img_size: int = 224
     num_classes: int = 1000
     labels: tuple[str, ...] | None = None
-    task: str = "classification"  # or "expression"
+    task: str = "classification"  # or "expression", or "embedding" (no classifier: num_classes 0)
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     crop_pct: float = 0.9  # resize the short side to img_size / crop_pct, then centre-crop img_size
     interpolation: str = "bicubic"
     resize_to: tuple[int, int] | None = None  # (height, width): resize to exactly this instead, then centre-crop
+    # the short-side resize as transformers' image processors do it (a Hugging Face DINOv2 or CLIP folder's): the
+    # long side truncated, not rounded, and the whole photo resized at full size with Pillow
+    processor_resize: bool = False
     timm: bool = True  # timm has a model of this name with exactly these parameter names and shapes
 
 

@@ -284,11 +284,13 @@ class ClassifierHead(nn.Module):
     def __init__(self, in_features: int, num_classes: int, drop: float = 0.0):
         super().__init__()
         self.drop = nn.Dropout(drop)
-        self.fc = nn.Linear(in_features, num_classes)
+        self.fc = nn.Linear(in_features, num_classes) if num_classes else nn.Identity()  # 0: an embedding model
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, H, W, C] or token rows [B, H*W, C] -> logits."""
-        return self.fc(self.drop(row_mean(x.flatten(1, -2))))
+    def forward(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """[B, H, W, C] or token rows [B, H*W, C] -> logits, or with `pre_logits` the pooled tokens (the embedding,
+        timm's pre-logits feature)."""
+        pooled = row_mean(x.flatten(1, -2))
+        return pooled if pre_logits else self.fc(self.drop(pooled))
 
 
 class SwinTransformer(nn.Module):
@@ -341,12 +343,18 @@ class SwinTransformer(nn.Module):
         x = self.norm(self.layers(self.patch_embed(x)))
         return x.view(x.shape[0], *self.layers[-1].resolution, -1)
 
+    embedding_pooling = "mean of the final-norm last-stage tokens"  # (the manifest's embedding.pooling)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Normalised tokens -> logits, or with `pre_logits` the embedding: their mean (ClassifierHead)."""
+        return self.head(x, pre_logits)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.forward_features(x))
 
-    def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and, from the last block, the attention each last-stage token receives averaged over the
-        queries of its window, [B, heads, H*W] (row-major grid).
+    def features_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised last-stage token rows [B, H*W, C] and, from the last block, the attention each last-stage
+        token receives averaged over the queries of its window, [B, heads, H*W] (row-major grid).
 
         Swin has no [CLS] token; the classifier averages the last stage's tokens, and in standard configs
         that stage is a single window, so this is how much the average query attends to each token.
@@ -354,7 +362,7 @@ class SwinTransformer(nn.Module):
         last = self.layers[-1]
         x = last.blocks[:-1](last.downsample(self.layers[:-1](self.patch_embed(x))))
         x, received = last.blocks[-1](x, received=True)
-        return self.head(self.norm(x)), received.transpose(1, 2)
+        return self.norm(x), received.transpose(1, 2)
 
 
 def resize_relative_position_bias(table: torch.Tensor, new: int) -> torch.Tensor:

@@ -10,6 +10,12 @@ through pre-norm blocks (LayerNorm -> multi-head self-attention -> residual, Lay
 The classifier reads the final [CLS] token; the distilled DeiT also has a head on the distillation token and
 averages the two heads' logits at inference.
 
+Options for embedding models (each off by default, named as timm names them): `init_values` (DINOv2's layer
+scale), `reg_tokens` (DINOv2's registers: "Vision Transformers Need Registers", Darcet et al. 2023,
+https://arxiv.org/abs/2309.16588), `global_pool="token_avg"` (DINOv2's linear-probe feature), `pre_norm` and
+`act_layer="quick_gelu"` (CLIP's image tower: Radford et al. 2021, https://arxiv.org/abs/2103.00020), and `proj_dim`
+(CLIP's visual projection of the pooled feature).
+
 Parameter names and shapes are timm's, so timm and official DeiT checkpoints load without renaming.
 """
 import math
@@ -18,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import DropPath, Mlp, PatchEmbed, init_weights
+from .layers import DropPath, LayerScale, Mlp, PatchEmbed, init_weights, row_mean
 
 
 class Attention(nn.Module):
@@ -52,27 +58,39 @@ class Block(nn.Module):
     """Pre-norm transformer encoder block."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
-                 drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0, norm_eps: float = 1e-6):
+                 drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0, norm_eps: float = 1e-6,
+                 init_values: float | None = None, act_layer: str = "gelu"):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
+        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop, act_layer=act_layer)
+        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, query_rows: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With query_rows > 0 also returns those rows' attention probabilities (see Attention)."""
         attn = self.attn(self.norm1(x), query_rows)
         attn, probs = attn if query_rows else (attn, None)
-        x = x + self.drop_path(attn)
-        x = x + self.drop_path(self.mlp(self.norm2(x)))
+        x = x + self.drop_path(self.ls1(attn))
+        x = x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
         return (x, probs) if query_rows else x
 
 
 class VisionTransformer(nn.Module):
     """ViT / DeiT classifier; `distilled=True` adds DeiT's distillation token and second head, and with
     `dist_head=False` the token alone: the classifier reads [CLS] only (transformers' DeiTForImageClassification,
-    what fine-tuning a DeiT there gives). `norm_eps` is every LayerNorm's (timm 1e-6, transformers 1e-12)."""
+    what fine-tuning a DeiT there gives). `num_classes=0` has no classifier: an embedding model, whose embedding is
+    `pool`'s. `norm_eps` is every LayerNorm's (timm 1e-6, transformers 1e-12).
+
+    `init_values`: a LayerScale (`ls1`, `ls2`: timm's `gamma`) on each block's two branches. `reg_tokens`: that many
+    register tokens (`reg_token` [1, R, D]) after [CLS] (and the distillation token), without a position embedding, as
+    DINOv2 and transformers place them; the position embedding covers [CLS] (and dist) and the patches.
+    `global_pool`: "token" ([CLS]), or "token_avg", [CLS] concatenated with the mean of the patch tokens (registers
+    left out). `pre_norm`: a LayerNorm (`norm_pre`) on the embedded tokens and, as in timm, no bias in the patch
+    projection. `act_layer`: the MLP's, "gelu" or "quick_gelu". `proj_dim`: a Linear without bias (`proj`) from the
+    pooled feature to that size."""
 
     def __init__(
         self,
@@ -88,6 +106,12 @@ class VisionTransformer(nn.Module):
         distilled: bool = False,
         dist_head: bool = True,
         norm_eps: float = 1e-6,
+        init_values: float | None = None,
+        reg_tokens: int = 0,
+        global_pool: str = "token",
+        pre_norm: bool = False,
+        act_layer: str = "gelu",
+        proj_dim: int = 0,
         drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
@@ -97,35 +121,46 @@ class VisionTransformer(nn.Module):
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.distilled = distilled
-        self.num_prefix_tokens = 2 if distilled else 1
+        if global_pool not in ("token", "token_avg"):
+            raise ValueError(f"global_pool {global_pool!r}: token and token_avg are built")
+        self.global_pool = global_pool
+        self.num_class_tokens = 2 if distilled else 1  # [CLS] (and dist): the tokens with a position embedding
+        self.num_prefix_tokens = self.num_class_tokens + reg_tokens
         # When set (and training), the distilled model returns both heads' logits for the distillation loss.
         self.distilled_training = False
 
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
-        num_tokens = self.patch_embed.num_patches + self.num_prefix_tokens
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not pre_norm)
+        num_tokens = self.patch_embed.num_patches + self.num_class_tokens
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
         self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if distilled else None
+        self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         self.pos_drop = nn.Dropout(drop_rate)
+        self.norm_pre = nn.LayerNorm(embed_dim, eps=norm_eps) if pre_norm else nn.Identity()
         rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth grows with depth
         self.blocks = nn.Sequential(*[
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, rates[i], norm_eps)
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, rates[i], norm_eps,
+                  init_values=init_values, act_layer=act_layer)
             for i in range(depth)
         ])
         self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes)
-        self.head_dist = nn.Linear(embed_dim, num_classes) if distilled and dist_head else None
+        # num_classes 0: no classifier, an embedding model (timm's convention), its output `pool`'s
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes else nn.Identity()
+        self.head_dist = nn.Linear(embed_dim, num_classes) if distilled and dist_head and num_classes else None
+        self.pool_dist = distilled and dist_head  # the embedding averages both tokens, as the two heads do
+        pooled = 2 * embed_dim if global_pool == "token_avg" else embed_dim
+        self.proj = nn.Linear(pooled, proj_dim, bias=False) if proj_dim else nn.Identity()
         self._init_weights()
 
     def _init_weights(self) -> None:
-        for p in (self.pos_embed, self.cls_token, self.dist_token):
+        for p in (self.pos_embed, self.cls_token, self.dist_token, self.reg_token):
             if p is not None:
                 nn.init.trunc_normal_(p, std=0.02)
         self.apply(init_weights)
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token", "dist_token"}
+        return {"pos_embed", "cls_token", "dist_token", "reg_token"}
 
     def reset_classifier(self, num_classes: int) -> None:
         self.num_classes = num_classes
@@ -136,17 +171,43 @@ class VisionTransformer(nn.Module):
             init_weights(self.head_dist)
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, 3, H, W] -> tokens [B, prefix + patches, D] with position embeddings; [CLS] (and dist) first."""
+        """[B, 3, H, W] -> tokens [B, prefix + patches, D] with position embeddings; [CLS] (and dist) first, then
+        the registers (which have none), then the patches."""
         x = self.patch_embed(x)
         prefix = [self.cls_token] if self.dist_token is None else [self.cls_token, self.dist_token]
-        x = torch.cat([t.expand(x.shape[0], -1, -1) for t in prefix] + [x], dim=1)
-        return self.pos_drop(x + self.pos_embed)
+        x = self.pos_drop(torch.cat([t.expand(x.shape[0], -1, -1) for t in prefix] + [x], dim=1) + self.pos_embed)
+        if self.reg_token is not None:
+            n = self.num_class_tokens
+            x = torch.cat([x[:, :n], self.reg_token.expand(x.shape[0], -1, -1), x[:, n:]], dim=1)
+        return self.norm_pre(x)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] -> normalised tokens [B, prefix + patches, D]."""
         return self.norm(self.blocks(self._embed(x)))
 
-    def forward_head(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalised tokens -> the pre-logits feature, timm's: the [CLS] token, or for a DeiT with both heads the
+        mean of [CLS] and the distillation token (what the two averaged heads read), or with global_pool "token_avg"
+        [CLS] and the patch tokens' mean side by side; then `proj` where there is one."""
+        if self.global_pool == "token_avg":
+            return self.proj(torch.cat([x[:, 0], row_mean(x[:, self.num_prefix_tokens:])], dim=-1))
+        return self.proj((x[:, 0] + x[:, 1]) / 2 if self.pool_dist else x[:, 0])
+
+    @property
+    def embedding_pooling(self) -> str:
+        """What `pool` makes the embedding of (the manifest's embedding.pooling)."""
+        if self.global_pool == "token_avg":
+            pooling = "final-norm [CLS] token and the mean of the final-norm patch tokens, concatenated"
+        elif self.pool_dist:
+            pooling = "mean of the final-norm [CLS] and distillation tokens"
+        else:
+            pooling = "final-norm [CLS] token"
+        return f"{pooling}, projected (a linear map without bias)" if isinstance(self.proj, nn.Linear) else pooling
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Normalised tokens -> logits, or with `pre_logits` the embedding the classifier reads (`pool`)."""
+        if pre_logits:
+            return self.pool(x)
         logits = self.head(self.head_drop(x[:, 0]))
         if self.head_dist is None:
             return logits
@@ -158,11 +219,12 @@ class VisionTransformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.forward_head(self.forward_features(x))
 
-    def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and the last block's attention rows of the prefix tokens over the patches,
-        [B, heads, prefix, patches]: [CLS] (and the distillation token) looking at the image."""
-        x, rows = self.blocks[-1](self.blocks[:-1](self._embed(x)), query_rows=self.num_prefix_tokens)
-        return self.forward_head(self.norm(x)), rows[..., self.num_prefix_tokens:]
+    def features_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised tokens (forward_features) and the last block's attention rows of [CLS] (and the distillation
+        token) over the patches, [B, heads, 1 or 2, patches]: the class tokens looking at the image (the registers'
+        rows and columns left out)."""
+        x, rows = self.blocks[-1](self.blocks[:-1](self._embed(x)), query_rows=self.num_class_tokens)
+        return self.norm(x), rows[..., self.num_prefix_tokens:]
 
     def attention_probabilities(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every block's full attention probabilities [B, heads, N, N], computed explicitly (for rollout)."""

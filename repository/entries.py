@@ -70,6 +70,11 @@ class ModelEntry:
         return self.manifest.get("attention")
 
     @property
+    def embedding(self) -> dict | None:
+        """Its graph's image embedding (output, size, pooling); None for a model without one (a CNN)."""
+        return self.manifest.get("embedding")
+
+    @property
     def precision(self) -> str:
         return self.manifest["precision"]
 

@@ -17,24 +17,30 @@ class InputPolicy:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     resize_to: tuple[int, int] | None = None  # (height, width): resize to exactly this, the aspect not kept
+    # the short-side resize as transformers' processors do it (DINOv2's, CLIP's): the long side truncated, the
+    # whole photo at full size through Pillow (model_input), so that the model sees its processor's pixels
+    processor_resize: bool = False
 
     @classmethod
     def from_manifest(cls, section: dict) -> "InputPolicy":
         resize_to = tuple(section["resize_to"]) if "resize_to" in section else None
         return cls(tuple(section["size"]), section["resize_short_side"], section["interpolation"],
-                   tuple(section["mean"]), tuple(section["std"]), resize_to)
+                   tuple(section["mean"]), tuple(section["std"]), resize_to, section.get("processor_resize", False))
 
     @property
     def draft_side(self) -> int | None:
         """The short side a JPEG may decode reduced to (DCT scaling, `decode`'s draft mode); None: at full size, as
         Hugging Face's processors decode, so that their models see the pixels their processor gives."""
-        return self.resize_short_side if self.resize_to is None else None
+        return None if self.resize_to is not None or self.processor_resize else self.resize_short_side
 
     def resized(self, width: int, height: int) -> tuple[int, int]:
-        """(width, height) after the resize: to resize_to, or the short side to resize_short_side, the aspect kept."""
+        """(width, height) after the resize: to resize_to, or the short side to resize_short_side, the aspect kept
+        (the long side rounded, or truncated as transformers does with processor_resize)."""
         if self.resize_to is not None:
             return self.resize_to[1], self.resize_to[0]
         short = self.resize_short_side
+        if self.processor_resize:  # transformers' get_resize_output_image_size
+            return (short, int(short * height / width)) if width <= height else (int(short * width / height), short)
         scale = short / min(width, height)
         return max(short, round(width * scale)), max(short, round(height * scale))
 

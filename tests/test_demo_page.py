@@ -1,13 +1,17 @@
 """The demo page at / in a real browser (headless Debian Chromium, driven by Playwright) against a real server:
-a photograph's predictions and attention overlay, a face box where the astronaut's face is, and a readable
+a photograph's predictions and attention overlay, a held-out shape's nearest sample shapes, a face box where the astronaut's face is, and a readable
 error for a non-image. Skips with the reason where Chromium or Playwright is missing (.ci/run installs
 Chromium; the `test` extra, Playwright). Saves build/demo-page.png, the README's picture."""
+import io
 import shutil
 
 import httpx
 import pytest
 from face_scenes import ASTRONAUT_FACE
 from service_process import ROOT, photo_bytes, running_service
+
+from models.labels import SHAPE_LABELS
+from models.synthetic.shapes import shapes
 
 playwright = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (the `test` extra)")
 CHROMIUM = shutil.which("chromium")
@@ -55,6 +59,23 @@ def test_a_photo_gets_its_top_five_and_the_attention_overlay(url, page, tmp_path
     assert page.is_visible("#token")  # distilled DeiT: its two tokens can be chosen
     (ROOT / "build").mkdir(exist_ok=True)
     page.screenshot(path=str(ROOT / "build" / "demo-page.png"), full_page=True)
+
+
+@pytest.mark.parametrize("label", [3, 5])  # a star, a heart
+def test_a_held_out_shapes_nearest_sample_shapes_are_found_with_embed_alone(url, page, tmp_path, label):
+    """The page draws its own sample shapes, embeds them with the dropped image in one /embed request and ranks
+    them by cosine: a held-out demo image's nearest is of its own shape."""
+    sample = shapes(seed=1, count=label + 1)[label]
+    buffer = io.BytesIO()
+    sample.image.save(buffer, format="PNG")
+    page.select_option("#model", "shapes-vit")
+    upload(page, tmp_path, f"shape-{label}.png", buffer.getvalue())
+    page.wait_for_function(f"document.getElementById('nearest').dataset.photo === 'shape-{label}.png'")
+    assert page.locator("#nearest li").count() == 3
+    nearest = page.locator("#nearest li")
+    cosines = [float(nearest.nth(i).inner_text().split()[-1]) for i in range(3)]
+    assert cosines == sorted(cosines, reverse=True) and -1 <= cosines[-1] <= cosines[0] <= 1
+    assert nearest.first.get_attribute("data-shape") == SHAPE_LABELS[label]
 
 
 def test_the_astronaut_gets_one_face_box_where_her_face_is_with_its_landmarks(page, tmp_path):

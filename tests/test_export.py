@@ -200,8 +200,12 @@ def test_manifest_validates_and_describes_the_graph(repo):
     validate(m)
     assert m["files"]["model"]["sha256"] == sha256(repo / "deit" / "model.onnx")
     assert m["files"]["explain"]["sha256"] == sha256(repo / "deit" / "explain.onnx")
-    assert [o["name"] for o in m["outputs"]] == ["logits", "cls_attention", "dist_attention"]
-    assert m["outputs"][1]["shape"] == ["batch", 4, 144]
+    assert [o["name"] for o in m["outputs"]] == ["logits", "cls_attention", "dist_attention", "embeddings"]
+    assert m["outputs"][1]["shape"] == ["batch", 4, 144] and m["outputs"][3]["shape"] == ["batch", 128]
+    # the distilled DeiT's pre-logits feature, as timm's: what its two averaged heads read
+    assert m["embedding"] == {"output": "embeddings", "size": 128,
+                              "pooling": "mean of the final-norm [CLS] and distillation tokens"}
+    assert m["parity"]["embeddings_max_abs_diff"] <= 1e-4
     assert m["attention"] == {"method": "cls_row", "grid": [12, 12], "heads": 4,
                               "outputs": {"cls": "cls_attention", "dist": "dist_attention"},
                               "explain_outputs": ["attention_0", "attention_1", "attention_2", "attention_3"]}
@@ -209,6 +213,7 @@ def test_manifest_validates_and_describes_the_graph(repo):
     assert m["parity"]["logits_max_abs_diff"] <= 1e-4 and m["parity"]["top1_agreement"] == 1.0
     swin = manifest(repo, "swin")
     assert swin["attention"]["method"] == "window_received" and swin["attention"]["grid"] == [6, 6]
+    assert swin["embedding"]["pooling"] == "mean of the final-norm last-stage tokens"
     assert "explain" not in swin["files"]
     broken = {k: v for k, v in m.items() if k != "labels"}
     with pytest.raises(jsonschema.ValidationError, match="'labels' is a required property"):

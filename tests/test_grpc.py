@@ -72,11 +72,14 @@ def test_both_inputs_give_a_direct_sessions_answers_and_the_rest_routes(served, 
     want = run_graph(ROOT / "model_repository" / MODEL / "model.onnx", x)
     got = infer(client, x, "images")
     np.testing.assert_allclose(got.as_numpy("logits"), want[0], atol=1e-5)
-    assert {o.name for o in got.get_response().outputs} == {"logits", "cls_attention", "dist_attention"}
+    assert {o.name for o in got.get_response().outputs} == {"logits", "cls_attention", "dist_attention", "embeddings"}
     pixels = normalised(x)
     only_logits = infer(client, pixels, "pixel_values", outputs=["logits"])
     assert [o.name for o in only_logits.get_response().outputs] == ["logits"]
     np.testing.assert_allclose(only_logits.as_numpy("logits"), want[0], atol=1e-4)
+    only_embeddings = infer(client, x, "images", outputs=["embeddings"])  # the image embedding, asked for alone
+    assert [o.name for o in only_embeddings.get_response().outputs] == ["embeddings"]
+    np.testing.assert_allclose(only_embeddings.as_numpy("embeddings"), want[3], atol=1e-5)
     with triton_http.InferenceServerClient(served[0].removeprefix("http://")) as rest:
         tensor = triton_http.InferInput("images", list(x.shape), "UINT8")
         tensor.set_data_from_numpy(x)

@@ -108,15 +108,15 @@ def test_a_request_past_the_timeout_gets_503_and_its_images_never_reach_a_batch(
 def test_a_request_past_its_own_deadline_gets_504_and_its_images_never_reach_a_batch(repository, backend, workers):
     """The same queue behind the slow batch, the server's own timeout far off: each request's deadline drops it.
     The blocker (its parameters.timeout 2 s on /v2) has one image in the slow batch and one in the queue; behind it,
-    /classify with timeout_ms, /v2 with Triton's `timeout` (µs) and gRPC ModelInfer with the same parameter, each
-    1 s. All are answered 504 deadline_exceeded (gRPC DEADLINE_EXCEEDED) before the slow batch ends, and nothing but
+    /classify and /embed with timeout_ms, /v2 with Triton's `timeout` (µs) and gRPC ModelInfer with the same
+    parameter, each 1 s. All are answered 504 deadline_exceeded (gRPC DEADLINE_EXCEEDED) before the slow batch ends, and nothing but
     its one image is computed."""
     port = free_port()
     settings = {"backend": backend, "model_repository": repository, "max_batch_size": 1, "request_timeout_s": 600,
                 "intra_op_threads": 1, "spin_wait": "false", "grpc_port": port,
                 "inference_unready_after_s": 600, "inference_kill_after_s": 1200,
                 **({"workers": workers} if workers else {})}
-    with running_service(**settings) as url, ThreadPoolExecutor(4) as pool:
+    with running_service(**settings) as url, ThreadPoolExecutor(5) as pool:
         computed, _ = figures(url)
         body, headers = v2_body("images", np.stack([BLOCKER, BLOCKER]), parameters={"timeout": 2_000_000})
         blocker = pool.submit(httpx.post, f"{url}/v2/models/{MODEL}/infer", content=body, headers=headers, timeout=300)
@@ -124,6 +124,8 @@ def test_a_request_past_its_own_deadline_gets_504_and_its_images_never_reach_a_b
         assert not blocker.done(), blocker.result().text
         classify = pool.submit(httpx.post, f"{url}/classify", files=jpegs(WAITING), timeout=300,
                                params={"model": MODEL, "timeout_ms": 1000})
+        embed = pool.submit(httpx.post, f"{url}/embed", files=jpegs(WAITING), timeout=300,
+                            params={"model": MODEL, "timeout_ms": 1000})
         body, headers = v2_body("images", np.stack([model_pixels(REPO / "shapes-vit", photo_bytes(name, "JPEG"))
                                                     for name in WAITING]), parameters={"timeout": 1_000_000})
         v2 = pool.submit(httpx.post, f"{url}/v2/models/{MODEL}/infer", content=body, headers=headers, timeout=300)
@@ -142,6 +144,7 @@ def test_a_request_past_its_own_deadline_gets_504_and_its_images_never_reach_a_b
         # timeout that waits for the running batch would (Triton's server #7512)
         assert figures(url)[0] == computed
         assert classify.result().json()["error"]["code"] == "deadline_exceeded"
+        assert (embed.result().status_code, embed.result().json()["error"]["code"]) == (504, "deadline_exceeded")
         assert v2.result().status_code == blocker.result().status_code == 504
         assert "deadline passed in the queue" in v2.result().json()["error"]
         assert grpc.result() == "StatusCode.DEADLINE_EXCEEDED"

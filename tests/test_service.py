@@ -204,7 +204,7 @@ def test_tritonclient_round_trip_on_v2(url, binary):
                triton.InferRequestedOutput("dist_attention", binary_data=not binary)]
     result = client.infer("shapes-deit", [inp], outputs=outputs)
     session = ort.InferenceSession(REPO / "shapes-deit" / "model.onnx", providers=["CPUExecutionProvider"])
-    logits, _, dist = session.run(None, graph_inputs(x))
+    logits, _, dist, _ = session.run(None, graph_inputs(x))
     np.testing.assert_allclose(result.as_numpy("logits"), logits, atol=1e-5)
     np.testing.assert_allclose(result.as_numpy("dist_attention"), dist, atol=1e-6)
     assert client.infer("shapes-deit", [inp]).as_numpy("cls_attention").shape == (3, 4, 144)  # all outputs

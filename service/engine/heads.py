@@ -100,13 +100,31 @@ class Classifier:
         return {"probs": probs, "top_index": index, "top_score": score}
 
 
+@dataclass(frozen=True)
+class EmbeddingOnly:
+    """An embedding model's head: its graph's `embeddings` is the whole answer (normalised per request, where
+    asked, by POST /embed), so there is nothing to add."""
+
+    @classmethod
+    def of(cls, entry: ModelEntry) -> "EmbeddingOnly":
+        return cls()
+
+    def fields(self) -> list[tuple]:
+        return []
+
+    def finish(self, outputs: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
+        return {}
+
+
 class Task(StrEnum):
     """The tasks the service's own routes serve (a manifest's `task`); HEADS may hold others, each with its route."""
-    CLASSIFICATION = "classification"  # POST /classify, and /v2
+    CLASSIFICATION = "classification"  # POST /classify, and /v2 (and POST /embed: every transformer's embedding)
     EXPRESSION = "expression"  # POST /expression: the faces found in photos, each classified
+    EMBEDDING = "embedding"  # POST /embed alone, and /v2: a model without a classifier
 
 
-HEADS: dict[str, Callable[[ModelEntry], Head]] = {Task.CLASSIFICATION: Classifier.of, Task.EXPRESSION: Classifier.of}
+HEADS: dict[str, Callable[[ModelEntry], Head]] = {Task.CLASSIFICATION: Classifier.of, Task.EXPRESSION: Classifier.of,
+                                                  Task.EMBEDDING: EmbeddingOnly.of}
 
 
 @cache

@@ -22,7 +22,8 @@ from service.protocol.statistics import metrics_page
 from . import error_responses
 from .hot_routes import HotRoutes
 from .middleware import ApiKey, BodyLimit, CancelOnDisconnect, HeadAsGet, RequestMetrics, TraceRequests
-from .routes import attention, classify, expression, health, kserve, models, repository, shared_memory
+from .routes import (attention, classify, embed, expression, health, kserve, models, repository,
+                     shared_memory)
 
 log = logging.getLogger("vitserve")
 DEMO_PAGE = (Path(__file__).parent / "static" / "index.html").read_text()
@@ -73,8 +74,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     app.state.settings, app.state.metrics, app.state.pipelines = settings, metrics, pipelines
     error_responses.install(app)
     # the busiest routes first: routes are matched in order
-    for router in (classify.router, kserve.router, expression.router, attention.router, models.router, health.router,
-                   repository.router, shared_memory.router, shared_memory.cuda_router):
+    for router in (classify.router, embed.router, kserve.router, expression.router, attention.router, models.router,
+                   health.router, repository.router, shared_memory.router, shared_memory.cuda_router):
         app.include_router(router)
 
     @app.get("/", include_in_schema=False)

@@ -1,8 +1,8 @@
-"""The busiest routes without FastAPI's request machinery: POST /classify and POST /v2/models/{name}[/versions/{v}]/infer
-are matched here, their query checked by the pydantic model FastAPI documents, and their endpoint (the one FastAPI
-declares) called straight away; every other request goes on to FastAPI's routing. The middleware (body limit, API
-key, metrics, cancel on disconnect) is the same for both: this is the innermost. Errors get the same answers
-(error_responses.answer_to).
+"""The busiest routes without FastAPI's request machinery: POST /classify, POST /embed and
+POST /v2/models/{name}[/versions/{v}]/infer are matched here, their query checked by the pydantic model FastAPI
+documents, and their endpoint (the one FastAPI declares) called straight away; every other request goes on to
+FastAPI's routing. The middleware (body limit, API key, metrics, cancel on disconnect) is the same for both: this is
+the innermost. Errors get the same answers (error_responses.answer_to).
 
 Why: FastAPI's exception middleware, routing, dependency solving and Request handling were a tenth of the HTTP
 path's own CPU per /v2 request (docs/performance.md#the-http-path-against-a-bare-asgi-app).
@@ -18,7 +18,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp
 
 from .error_responses import HANDLED, answer_to
-from .routes import classify, kserve
+from .routes import classify, embed, kserve
 
 INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 
@@ -29,10 +29,10 @@ class HotRoutes:
 
     def __init__(self, rest: ASGIApp):
         self.rest = rest
-        by_path: dict[str, BaseRoute] = {route.path: route for route in (*classify.router.routes,
-                                                                          *kserve.router.routes)}
+        by_path: dict[str, BaseRoute] = {route.path: route for route in (
+            *classify.router.routes, *embed.router.routes, *kserve.router.routes)}
         # what RequestMetrics labels a request by, as FastAPI's routing would have set it
-        self.classify_route = by_path["/classify"]
+        self.classify_route, self.embed_route = by_path["/classify"], by_path["/embed"]
         self.infer_routes = (by_path["/v2/models/{name}/infer"], by_path["/v2/models/{name}/versions/{version_}/infer"])
 
     async def __call__(self, scope, receive, send):
@@ -41,6 +41,8 @@ class HotRoutes:
         path = scope["path"]
         if path == "/classify":
             route, answer, args = self.classify_route, self._classify, ()
+        elif path == "/embed":
+            route, answer, args = self.embed_route, self._embed, ()
         elif path.startswith("/v2/models/") and (match := INFER.fullmatch(path)):
             route, answer, args = self.infer_routes[match[2] is not None], kserve.infer_version, match.groups()
         else:
@@ -55,6 +57,11 @@ class HotRoutes:
     @staticmethod
     async def _classify(request: Request) -> Response:
         return await classify.classify(request, query_model(classify.ClassifyQuery, request.scope["query_string"]))
+
+
+    @staticmethod
+    async def _embed(request: Request) -> Response:
+        return await embed.embed(request, query_model(embed.EmbedQuery, request.scope["query_string"]))
 
 
 def query_model(model: type[BaseModel], query_string: bytes) -> BaseModel:

@@ -50,6 +50,35 @@ class ClassifyResponse(BaseModel):
                                                                "predictions, or its error where it alone failed")
 
 
+class Embedding(BaseModel):
+    index: int = Field(description="the upload's place in the request, from 0")
+    filename: str | None
+    embedding: list[float] | str = Field(description="the vector: JSON floats, or with encoding=base64 its float32 "
+                                                     "little-endian bytes in base64")
+    batch_size: int = Field(description="images in the inference batch this one ran in (0: answered from the "
+                                        "response cache)")
+    timings_ms: Timings
+
+
+class EmbeddingError(ImageError):
+    index: int = Field(description="the upload's place in the request, from 0")
+
+
+class EmbedResponse(BaseModel):
+    model_config = {"json_schema_extra": {"examples": [{
+        "model": "shapes-vit", "size": 4, "pooling": "final-norm [CLS] token", "normalized": True, "encoding": "json",
+        "results": [{"index": 0, "filename": "shape.png", "embedding": [0.5, -0.5, 0.5, 0.5], "batch_size": 8,
+                     "timings_ms": {"decode_ms": 1.9, "queue_ms": 2.4, "inference_ms": 6.1, "total_ms": 11.2}}]}]}}
+
+    model: str
+    size: int = Field(description="the vectors' length")
+    pooling: str = Field(description="how the model's tokens became the vector (its manifest's embedding.pooling)")
+    normalized: bool = Field(description="whether each vector was L2-normalised (normalize, default true)")
+    encoding: str = Field(description="json or base64, as asked")
+    results: list[Embedding | EmbeddingError] = Field(description="one entry per uploaded file, in order: its "
+                                                                 "vector, or its error where it alone failed")
+
+
 class ModelInfo(BaseModel):
     name: str
     version: int = Field(description="the version serving: its folder's number (NAME/2/), 1 for a flat folder")
@@ -86,6 +115,9 @@ class ModelInfo(BaseModel):
                                                "without attention outputs (a CNN), whose maps every route refuses "
                                                "with 400")
     explain: bool = Field(description="whether rollout maps are available (explain.onnx)")
+    embedding: dict | None = Field(None, description="the image embedding POST /embed answers with: the graph's "
+                                                     "output, its size and how it pools the tokens; null for a model "
+                                                     "without one (a CNN)")
     parity: dict = Field(description="the export's parity figures, from the manifest")
 
 

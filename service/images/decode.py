@@ -194,6 +194,11 @@ def model_input(image: Image.Image | np.ndarray, policy: InputPolicy) -> np.ndar
     docs/models.md). Where the photo shrinks 2x or more it is first box-reduced by the whole factor, so that every
     pixel still counts (sampling alone would alias)."""
     pillow = isinstance(image, Image.Image)
+    if policy.processor_resize:  # transformers' own steps: the whole photo resized with Pillow, then the crop
+        image = image if pillow else Image.fromarray(image)
+        width, height = image.size
+        resized = image.resize(policy.resized(width, height), Image.Resampling[policy.interpolation.upper()])
+        return np.asarray(resized.crop(policy.crop(width, height)))
     if policy.resize_to is not None:  # a Hugging Face model's: its image processor's own Pillow resize, not near it
         return np.asarray(resize_and_crop(image if pillow else Image.fromarray(image), policy))
     width, height = image.size if pillow else (image.shape[1], image.shape[0])

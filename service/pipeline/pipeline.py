@@ -27,7 +27,7 @@ from service.core.settings import Settings
 from service.core.urgency import check_deadline, expired, request_deadline
 from service.engine.backends import Backend, DecodeOn, Lease, graph_entry
 from service.engine.batching import BatchingPolicy
-from service.engine.heads import OUTPUTS_ONLY, head
+from service.engine.heads import OUTPUTS_ONLY, Task, head
 from service.engine.records import TIMINGS, Kind, output_names, record_dtype, results
 from service.engine.shared_memory import SharedIO, SharedTensor, Slice
 from service.explain.cache import AttentionResult
@@ -150,9 +150,10 @@ class Pipeline:
     async def images(self, uploads: list[bytes], top_k: int = 1, for_maps: bool = False) -> Results:
         """`run_images`, where the response cache is on (and no photo is kept for a map) for the uploads it has not
         answered before on this model version with this top_k; the others are answered from it, without a decode
-        or a batch (their rows' batch_size and times 0)."""
+        or a batch (their rows' batch_size and times 0). top_k OUTPUTS_ONLY: the graph's outputs alone (/embed)."""
         if self.responses is None or for_maps:
             return await self.run_images(uploads, top_k, for_maps)
+        fields = self.output_fields if top_k == OUTPUTS_ONLY else self.fields
         start = time.perf_counter()
         keys = await asyncio.get_running_loop().run_in_executor(  # hashing megabytes is no work for the loop
             self.decode_pool, lambda: [upload_key(self.key, self.loads, top_k, data) for data in uploads])
@@ -160,20 +161,20 @@ class Pipeline:
         missed = [i for i, row in enumerate(rows) if row is None]
         self.stats.looked_up(len(uploads) - len(missed), len(missed), time.perf_counter() - start)
         if not missed:
-            return Results({name: np.stack([row[name] for row in rows]) for name in self.fields}, [0.0] * len(rows))
+            return Results({name: np.stack([row[name] for row in rows]) for name in fields}, [0.0] * len(rows))
         out = await self.run_images([uploads[i] for i in missed], top_k, answered=len(uploads) - len(missed))
         for j, i in enumerate(missed):
             if j not in out.errors:
-                row = {name: np.array(out.fields[name][j]) for name in self.fields}  # copies, scalars 0-d
+                row = {name: np.array(out.fields[name][j]) for name in fields}  # copies, scalars 0-d
                 for name in TIMINGS:  # what a later hit says: no batch, no wait
                     row[name][...] = 0
                 self.responses.put(keys[i], row)
         if len(missed) == len(uploads):
             return out
         at = {i: j for j, i in enumerate(missed)}
-        fields = {name: np.stack([out.fields[name][at[i]] if i in at else row[name] for i, row in enumerate(rows)])
-                  for name in self.fields}
-        return Results(fields, [out.decode_ms[at[i]] if i in at else 0.0 for i in range(len(rows))],
+        merged = {name: np.stack([out.fields[name][at[i]] if i in at else row[name] for i, row in enumerate(rows)])
+                  for name in fields}
+        return Results(merged, [out.decode_ms[at[i]] if i in at else 0.0 for i in range(len(rows))],
                        errors={i: out.errors[j] for i, j in at.items() if j in out.errors})
 
     @counted
@@ -411,6 +412,19 @@ class Pipeline:
             raise BadInput(f"{self.name} has no attention maps: it has no attention outputs (family "
                            f"{self.entry.manifest['family']}; maps come from ViT, DeiT and Swin models). Ask without "
                            "attention, or name another model", "no_attention")
+
+    def check_classifier(self) -> None:
+        """BadInput, before any work, for labels asked of an embedding model (it has no classifier)."""
+        if self.entry.task == Task.EMBEDDING:
+            raise BadInput(f"{self.name} is an embedding model: it has no labels to classify with. POST /embed for "
+                           "its embeddings, or name a classification model", "embedding_model")
+
+    def check_embedding(self) -> None:
+        """BadInput, before any work, for embeddings asked of a model without an embedding output."""
+        if self.entry.embedding is None:
+            raise BadInput(f"{self.name} has no embedding output (family {self.entry.manifest['family']}; every ViT, "
+                           "DeiT and Swin exported since issue 68 has one: re-export it). Name another model",
+                           "no_embedding")
 
     def attention_result(self, out: Results, i: int) -> AttentionResult:
         """Image i's attention result (of a request run with for_maps=True)."""

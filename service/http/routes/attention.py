@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from repository import InputPolicy
 from service.core.errors import NotFound
 from service.core.urgency import PRIORITY, TIMEOUT_MS, from_query
+from service.engine.heads import OUTPUTS_ONLY, Task
 from service.explain import maps
 from service.explain.cache import AttentionResult
 from service.images.decode import decode
@@ -98,7 +99,8 @@ async def attention_map(request: Request, id: str = Query(..., description="an i
     return await render(pipeline, record, options)
 
 
-@router.post("/attention-map", summary="Classify one image and return its attention map",
+@router.post("/attention-map", summary="Classify one image (or, on an embedding model, run it) and return its "
+                                      "attention map",
              responses={200: {"content": PNG_EXAMPLE}, 504: {"description": "past the request's timeout_ms"}},
              description="Example: `curl -F file=@cat.jpg 'localhost:8000/attention-map?method=rollout' -o map.png`.",
              openapi_extra=upload_body({"file": "one image"}))
@@ -117,8 +119,11 @@ async def attention_map_for_image(
         return await read_images(request, ("file",), 1)
 
     pipeline, ((_, data),) = await pipelines.routed(read, model)
-    out = await pipeline.images([data], top_k=1, for_maps=True)
+    classifies = pipeline.entry.task != Task.EMBEDDING  # an embedding model's map comes without a prediction
+    out = await pipeline.images([data], top_k=1 if classifies else OUTPUTS_ONLY, for_maps=True)
     record = pipeline.attention_result(out, 0)
+    if not classifies:
+        return await render(pipeline, record, options)
     top = predictions(pipeline, out, 1)[0][0]
     return await render(pipeline, record, options, {"prediction": top},
                         {"X-Prediction": f"{top['label']} {top['score']:.4f}"})

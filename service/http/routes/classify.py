@@ -54,6 +54,7 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
     from_query(start, query.timeout_ms, query.priority, pipelines.settings.priority_levels)
 
     async def read(chosen: Pipeline) -> list[tuple[str | None, bytes]]:
+        chosen.check_classifier()
         if attention:
             chosen.check_attention()
         return await read_images(request, ("file", "files"), pipelines.settings.max_files)

@@ -20,7 +20,8 @@ def model_info(pipeline: Pipeline, status: ModelStatus) -> ModelInfo:
         precision=status.precision or m["precision"], provider=status.provider, plan=status.plan,
         plan_reason=status.plan_reason, plan_measured=status.plan_measured,
         graph=status.graph, decode=status.decode, decode_reason=status.decode_reason, ready=status.ready,
-        error=status.error, attention=pipeline.entry.attention, explain=pipeline.entry.has("explain"), parity=m["parity"])
+        error=status.error, attention=pipeline.entry.attention, explain=pipeline.entry.has("explain"),
+        embedding=pipeline.entry.embedding, parity=m["parity"])
 
 
 @router.get("/models", response_model=ModelsResponse, summary="The served models")
