@@ -7,6 +7,7 @@ reader): the HTTP side's and the inference side's.
     python bench/embed.py --model shapes-deit
     git worktree add /tmp/before HEAD~1 && python bench/embed.py --baseline /tmp/before --clients 1 32 --rounds 5
     python bench/embed.py --encoding-only   # what encoding one answer costs the event loop, by vector size
+    python bench/embed.py --neighbours 1200  # what the vectors mean: held-out shapes' nearest neighbours' labels
 
 The served demo models' vectors are 128 and 192 floats; --encoding-only times the route's own encoding (normalise,
 JSON floats or base64, json.dumps) for the 384 and 768 of DeiT-S and ViT-B too, on this process's one core.
@@ -29,8 +30,32 @@ from http_floor import cpu_reader, measure  # noqa: E402
 from service_process import photo_bytes, service_and_process  # noqa: E402
 
 import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
 
+from models.synthetic.shapes import shapes  # noqa: E402
+from repository import InputPolicy, graph_inputs, read_entry  # noqa: E402
 from service.http.routes.embed import Encoding, encoded, normalized  # noqa: E402
+from service.images.decode import model_input  # noqa: E402
+
+SHAPE_MODELS = ("shapes-vit", "shapes-deit", "shapes-swin")
+
+
+def neighbours(count: int) -> None:
+    """Per demo model, the share of `count` held-out shapes (seed 1: the images `make models` scores them on, the
+    classes balanced) whose nearest other image by cosine of their embeddings has their label."""
+    samples = shapes(seed=1, count=count)
+    labels = np.array([s.label for s in samples])
+    for name in SHAPE_MODELS:
+        entry = read_entry(ROOT / "model_repository" / name)
+        policy = InputPolicy.from_manifest(entry.manifest["input"])
+        session = ort.InferenceSession(entry.path(), providers=["CPUExecutionProvider"])
+        x = np.stack([model_input(s.image, policy) for s in samples])
+        vectors = np.concatenate([session.run([entry.embedding["output"]], graph_inputs(x[i:i + 100]))[0]
+                                  for i in range(0, count, 100)])
+        similarity = normalized(vectors) @ normalized(vectors).T
+        np.fill_diagonal(similarity, -np.inf)
+        agreement = (labels[similarity.argmax(1)] == labels).mean()
+        print(f"{name:<12} {count} held-out shapes: nearest neighbour of the same class {agreement:.1%}")
 
 
 def encoding_costs(sizes: tuple[int, ...] = (128, 384, 768), images: tuple[int, ...] = (1, 8)) -> None:
@@ -55,11 +80,16 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--backend", choices=["thread", "process"], default="process")
+    p.add_argument("--plan", default="onnxruntime:fp32", help="VITSERVE_CPU_PLAN of every server: one plan for all, "
+                                                              "not each start's own measurement's pick")
     p.add_argument("--baseline", type=Path, help="another checkout whose server's /classify is measured beside")
     p.add_argument("--encoding-only", action="store_true", help="time the answer's encoding alone, no server")
+    p.add_argument("--neighbours", type=int, metavar="N", help="the demo models' retrieval on N held-out shapes")
     args = p.parse_args()
     if args.encoding_only:
         return encoding_costs()
+    if args.neighbours:
+        return neighbours(args.neighbours)
     if not wrk.available():
         raise SystemExit("wrk is not installed: apt-get install wrk")
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
@@ -71,7 +101,7 @@ def main() -> None:
         cases = []
         for tag, root in servers.items():
             url, proc = stack.enter_context(service_and_process(root=root, backend=args.backend, workers=1,
-                                                                access_log=False))
+                                                                access_log=False, cpu_plan=args.plan))
             read = cpu_reader(args.backend, proc.pid)
             for name, (path, query) in requests.items():
                 if tag and name != "classify":
@@ -83,8 +113,8 @@ def main() -> None:
             for clients in args.clients:
                 for name, url, read, request in cases:
                     runs.setdefault((name, clients), []).append(measure(url, read, request, clients, args.seconds))
-    print(f"{args.model}, the same JPEG each time, {args.backend} backend with one HTTP worker, wrk on the same "
-          f"{os.cpu_count()} cores; medians of {args.rounds} rounds of {args.seconds:g}s")
+    print(f"{args.model} on {args.plan}, the same JPEG each time, {args.backend} backend with one HTTP worker, wrk on "
+          f"the same {os.cpu_count()} cores; medians of {args.rounds} rounds of {args.seconds:g}s")
     print(f"{'route':<18} {'clients':>7} {'req/s':>7} {'p50 ms':>6} {'errors':>6} | {'http ms/req':>11} "
           f"{'inference ms/req':>16}")
     for (name, clients), rounds in runs.items():

@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a registry name (python -c 'import models; print(models.list_models())'), "
-                                 "mtcnn: the face detector, or a Hugging Face transformers folder (ViT, DeiT, Swin: "
+                                 "mtcnn: the face detector, or a Hugging Face transformers folder (ViT, DeiT, Swin "
+                                 "classifiers, or embedding models: base ViT/DeiT/Swin, DINOv2, CLIP's image tower; "
                                  "its config, weights, labels and image processor; docs/export.md)")
     p.add_argument("--weights", type=Path, help="checkpoint: .pth/.pt (timm or official layout) or .safetensors")
     p.add_argument("--random-init", action="store_true", help="export untrained weights (benchmarks, tests)")

@@ -385,8 +385,10 @@ def _export(args, hf: HFModel | None, log: Progress) -> Path:
         files = {kind: mf.file_entry(path) for kind, path in graphs.items()}
         manifest = _manifest(args, name, labels, meta, model, proto, counts, parity, files, explain_outputs)
         if hf:
-            manifest.update(task=hf.spec.task, scores=hf.scores, source={
+            manifest.update(task=hf.spec.task, source={
                 "huggingface": hf.source, "sha256": {p.name: mf.sha256(p) for p in hf.files}})
+            if not is_embedding_model(model):  # (an embedding model's labels have no scores)
+                manifest["scores"] = hf.scores
         if plans is not None:
             manifest.update(precision="fp32", plans=plans, **({"plans_refused": refused} if refused else {}))
         if version is not None:

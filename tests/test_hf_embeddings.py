@@ -18,11 +18,14 @@ import onnxruntime as ort
 import pytest
 import torch
 import transformers
+import tritonclient.http as triton
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from service_process import photo_bytes, running_service
 
 from export.__main__ import main as export_main
+from export.parity import MIN_EMBEDDING_COSINE, ParityError, check_reduced, gate_inputs
+from export.precision import quantize_int8
 from models import WeightsError
 from models.hf_folder import CLIP_MEAN, CLIP_STD, interpolated_pos_embed, read_folder
 from repository import InputPolicy, graph_inputs
@@ -293,7 +296,7 @@ def test_a_clip_tower_saved_with_its_vision_model_prefix_reads_the_same(embeddin
 def test_the_folders_are_served_on_embed_as_transformers_embeds_the_jpeg(embedding_repo):
     """A real server on the exported folders: POST /embed of each JPEG (un-normalised, then normalised) is
     transformers' embedding of its processor's pixels of the same photos; an embedding model refuses /classify
-    naming /embed, lists no labels, and still draws its attention map."""
+    naming /embed, lists no labels, answers /v2 with the same vector, and still draws its attention map."""
     repo, folders = embedding_repo
     photos = jpegs()
     with running_service(model_repository=repo) as url:
@@ -315,6 +318,38 @@ def test_the_folders_are_served_on_embed_as_transformers_embeds_the_jpeg(embeddi
         listed = {m["name"]: m for m in httpx.get(f"{url}/models", timeout=10).json()["models"]}
         assert listed["dinov2-registers"]["task"] == "embedding" and listed["dinov2-registers"]["labels"] == []
         assert listed["clip-projection"]["embedding"]["size"] == 16
+        client = triton.InferenceServerClient(url=url.removeprefix("http://"))  # the processor's tensor over /v2
+        pixel_values = processor_pixels(folders["clip-projection"], photos)
+        tensor = triton.InferInput("pixel_values", list(pixel_values.shape), "FP32")
+        tensor.set_data_from_numpy(pixel_values.astype(np.float32))
+        answer = client.infer("clip-projection", [tensor], outputs=[triton.InferRequestedOutput("embeddings")])
+        np.testing.assert_allclose(answer.as_numpy("embeddings"),
+                                   transformers_embedding(folders["clip-projection"], pixel_values), atol=ATOL)
         drawn = httpx.post(f"{url}/attention-map", files={"file": ("a.jpg", photos[0])},
                            params={"model": "dinov2-registers"}, timeout=30)
         assert drawn.status_code == 200 and drawn.content.startswith(b"\x89PNG") and "x-prediction" not in drawn.headers
+
+
+def test_an_embedding_models_reduced_precision_gate_is_the_turn_of_its_embeddings(embedding_repo, tmp_path):
+    """Without logits there are no decisions to agree on: a reduced-precision graph of an embedding model passes while
+    every embedding stays within cosine 0.99 of fp32's (dynamic int8: about 0.997 here), and one that turns them further
+    (the same graph with half of every vector negated) is refused."""
+    repo, folders = embedding_repo
+    fp32 = session(repo, "dinov2")
+    quantize_int8(repo / "dinov2" / "model.onnx", tmp_path / "int8.onnx")
+    inputs = gate_inputs(read_folder(folders["dinov2"]).spec)
+    report = check_reduced(ort.InferenceSession(tmp_path / "int8.onnx", providers=["CPUExecutionProvider"]), fp32,
+                           inputs)
+    assert MIN_EMBEDDING_COSINE <= report["embeddings_min_cosine"] < 1 and "top1_agreement" not in report
+
+    class Turned:  # fp32's own session, half of each embedding negated after it runs
+        def __getattr__(self, name):
+            return getattr(fp32, name)
+
+        def run(self, names, feed):
+            out = fp32.run(names, feed)
+            out[0][:, ::2] *= -1
+            return out
+
+    with pytest.raises(ParityError, match="within cosine 0.99"):
+        check_reduced(Turned(), fp32, inputs)

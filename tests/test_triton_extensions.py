@@ -93,7 +93,7 @@ def test_the_configuration_is_what_serves_over_rest_and_grpc(served, clients):
                                 "dims": [96, 96, 3]}]
     assert [(o["name"], o["data_type"], o["dims"]) for o in config["output"]] == [
         ("logits", "TYPE_FP32", [6]), ("cls_attention", "TYPE_FP32", [4, 144]),
-        ("dist_attention", "TYPE_FP32", [4, 144])]
+        ("dist_attention", "TYPE_FP32", [4, 144]), ("embeddings", "TYPE_FP32", [128])]
     assert config["instance_group"] == [{"name": MODEL, "kind": "KIND_CPU", "count": 1}]
     assert config["version_policy"] == {"latest": {"num_versions": 1}}
     assert config["parameters"]["provider"] == {"string_value": "CPUExecutionProvider"}
