@@ -25,12 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
+import numpy as np  # noqa: E402
+import onnxruntime as ort  # noqa: E402
 import wrk  # noqa: E402
 from http_floor import cpu_reader, measure  # noqa: E402
 from service_process import photo_bytes, service_and_process  # noqa: E402
-
-import numpy as np  # noqa: E402
-import onnxruntime as ort  # noqa: E402
 
 from models.synthetic.shapes import shapes  # noqa: E402
 from repository import InputPolicy, graph_inputs, read_entry  # noqa: E402
@@ -66,7 +65,7 @@ def encoding_costs(sizes: tuple[int, ...] = (128, 384, 768), images: tuple[int, 
         for n in images:
             vectors = rng.standard_normal((n, size)).astype(np.float32)
             for encoding in Encoding:
-                def answer() -> bytes:
+                def answer(vectors: np.ndarray = vectors, encoding: Encoding = encoding) -> bytes:
                     rows = encoded(normalized(vectors), encoding)
                     return json.dumps({"results": [{"embedding": r} for r in rows]}, separators=(",", ":")).encode()
                 runs = timeit.repeat(answer, number=200, repeat=5)

@@ -87,6 +87,9 @@ def test_the_census_reads_every_thread_of_the_service_by_role_and_job():
     ranked = lines[lines.index(next(line for line in lines if line.startswith("busiest threads"))) + 1:]
     cores = [float(line.split()[-6]) for line in ranked]
     assert cores == sorted(cores, reverse=True) and cores[0] > 0
-    # at rest, the whole service (supervisor, inference process, workers) burns under 2% of a core
+    # at rest, the whole service (supervisor, inference process, workers) burns under 5% of a core: a thread that
+    # spins takes a whole one, where the four processes' event loops' timers come to 2-3% (7-8 ticks in 3 s here,
+    # which a 2% bound failed by chance)
     idle = census.spent(at_rest, rested)
-    assert sum(t.user + t.system for t in idle.values()) / census.TICKS / (rested.at - at_rest.at) < 0.02
+    assert sum(t.user + t.system for t in idle.values()) / census.TICKS / (rested.at - at_rest.at) < 0.05, \
+        sorted((t.user + t.system, t.role, t.name) for t in idle.values() if t.user + t.system)

@@ -33,8 +33,8 @@ def served():
 def test_no_generated_request_gets_a_5xx_or_an_answer_outside_the_schema(served, mode):
     schema = schemathesis.openapi.from_url(f"{served}/openapi.json")
     operations, sent = [result.ok() for result in schema.get_all_operations()], []
-    assert {"POST /classify", "POST /expression", "GET /attention-map", "POST /v2/models/{name}/infer"} <= {
-        op.label for op in operations}
+    assert {"POST /classify", "POST /embed", "POST /expression", "GET /attention-map",
+            "POST /v2/models/{name}/infer"} <= {op.label for op in operations}
     for operation in operations:
         @given(case=operation.as_strategy(generation_mode=mode))
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,

@@ -105,7 +105,7 @@ def test_the_configuration_is_what_serves_over_rest_and_grpc(served, clients):
     assert rest.get_model_config(MODEL, "1", headers=dict(KEY)) == config
     # another model: its own outputs and what runs it
     int8 = rest.get_model_config("shapes-vit-int8", headers=dict(KEY))
-    assert [o["name"] for o in int8["output"]] == ["logits", "cls_attention"]
+    assert [o["name"] for o in int8["output"]] == ["logits", "cls_attention", "embeddings"]
     assert int8["parameters"]["precision"] == {"string_value": "int8"}
     # the metadata lists the input Triton's tools send; the graph's other input is in its parameters
     metadata = rest.get_model_metadata(MODEL, headers=dict(KEY))

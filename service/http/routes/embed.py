@@ -28,7 +28,9 @@ router = APIRouter(tags=["inference"])
 
 class Encoding(StrEnum):
     JSON = "json"  # a list of floats per image
-    BASE64 = "base64"  # the float32 vector's little-endian bytes, base64: a quarter of JSON's bytes, no float printing
+    # the float32 vector's little-endian bytes, base64: a quarter of JSON's bytes and 25-30x less of the event loop
+    # at 384-768 floats (docs/performance.md#embeddings)
+    BASE64 = "base64"
 
 
 class EmbedQuery(BaseModel):
