@@ -19,9 +19,18 @@ JPEG, PNG = photo_bytes("chelsea", "JPEG"), photo_bytes("astronaut", "PNG")
 TRANSFORMERS = ("shapes-vit", "shapes-deit", "shapes-swin", "expression-vit")
 
 
+AVIF_BOMB = (ROOT / "tests" / "reference" / "flat_12000.avif").read_bytes()  # 144 MP, its header says 64 x 64
+
+
 @pytest.fixture(scope="module")
 def url():
     with running_service(max_queue_delay_ms=10, response_cache_bytes=10_000_000) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def process_url():
+    with running_service(backend="process", workers=1) as base:
         yield base
 
 
@@ -106,21 +115,27 @@ def test_embeddings_are_an_output_a_v2_client_asks_for_in_binary_too(url):
     assert {"name": "embeddings", "datatype": "FP32", "shape": [-1, 192]} in meta["outputs"]
 
 
-def test_bad_input_gets_classifys_answers_and_the_server_keeps_serving(url):
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_bad_input_gets_classifys_answers_and_the_server_keeps_serving(url, process_url, backend):
+    url = url if backend == "thread" else process_url
     cut, text = JPEG[: len(JPEG) // 3], b"just text"
-    r = embed(url, ("a.jpg", JPEG), ("cut.jpg", cut), ("notes.txt", text), field="files", model="shapes-vit")
+    r = embed(url, ("a.jpg", JPEG), ("cut.jpg", cut), ("notes.txt", text), ("bomb.avif", AVIF_BOMB), field="files",
+              model="shapes-vit")
     assert r.status_code == 200, r.text
-    good, bad, notes = r.json()["results"]
+    good, bad, notes, bomb = r.json()["results"]
     assert good["index"] == 0 and len(good["embedding"]) == 128
     assert bad == {"index": 1, "filename": "cut.jpg", "error": bad["error"]} and bad["error"]["code"] == "bad_image"
     assert notes["error"]["code"] == "unsupported_media_type" and "embedding" not in notes
+    assert bomb["error"]["code"] == "image_too_large"
     alone = {"cut": embed(url, ("cut.jpg", cut)), "text": embed(url, ("notes.txt", text)),
+             "bomb": embed(url, ("bomb.avif", AVIF_BOMB)),
              "none": httpx.post(f"{url}/embed", timeout=30),
              "many": embed(url, *[("a.jpg", JPEG)] * 65, field="files")}
     assert (alone["cut"].status_code, alone["cut"].json()["error"]["code"]) == (400, "bad_image")
     assert (alone["text"].status_code, alone["text"].json()["error"]["code"]) == (415, "unsupported_media_type")
     assert (alone["none"].status_code, alone["none"].json()["error"]["code"]) == (400, "no_image")
     assert (alone["many"].status_code, alone["many"].json()["error"]["code"]) == (413, "too_many_files")
+    assert (alone["bomb"].status_code, alone["bomb"].json()["error"]["code"]) == (413, "image_too_large")
     for params in ({"encoding": "float16"}, {"normalize": "maybe"}, {"timeout_ms": 0}, {"timeout_ms": 10**10},
                    {"priority": -1}, {"priority": 101}):
         refused = embed(url, ("a.jpg", JPEG), **params)

@@ -12,7 +12,7 @@ from service.pipeline.pipeline import Pipeline, Results
 from service.pipeline.served import Pipelines
 
 from ..schemas import ClassifyResponse
-from .responses import json_response
+from .responses import batch_and_timings, json_response
 from .uploads import read_images, upload_body
 
 router = APIRouter(tags=["inference"])
@@ -62,17 +62,13 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
     pipeline, uploads = await pipelines.routed(read, model)
     out = await pipeline.images([data for _, data in uploads], top_k, for_maps=attention)
     total_ms = (time.perf_counter() - start) * 1e3
-    timings = zip(out.decode_ms, out.queue_ms.tolist(), out.inference_ms.tolist(), out.batch_size.tolist())
     results = []
-    for i, ((filename, _), best, (decode_ms, queue_ms, inference_ms, batch)) in enumerate(
-            zip(uploads, predictions(pipeline, out, top_k), timings)):
+    for i, ((filename, _), best, ran) in enumerate(zip(uploads, predictions(pipeline, out, top_k),
+                                                       batch_and_timings(out, total_ms))):
         if (error := out.errors.get(i)) is not None:  # this file alone could not be read
             results.append({"filename": filename, "error": {"code": error.code, "message": error.message}})
             continue
         key = await pipeline.store_attention(out, i) if attention else None
-        results.append({
-            "id": key or uuid.uuid4().hex, "filename": filename, "predictions": best, "batch_size": batch,
-            "timings_ms": {"decode_ms": decode_ms, "queue_ms": queue_ms, "inference_ms": inference_ms,
-                           "total_ms": total_ms},
-            "attention_map_url": f"/attention-map?id={key}" if key else None})
+        results.append({"id": key or uuid.uuid4().hex, "filename": filename, "predictions": best, **ran,
+                        "attention_map_url": f"/attention-map?id={key}" if key else None})
     return json_response({"model": pipeline.name, "scores": pipeline.entry.scores, "results": results})

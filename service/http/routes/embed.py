@@ -20,7 +20,7 @@ from service.pipeline.pipeline import Pipeline
 from service.pipeline.served import Pipelines
 
 from ..schemas import EmbedResponse
-from .responses import json_response
+from .responses import batch_and_timings, json_response
 from .uploads import read_images, upload_body
 
 router = APIRouter(tags=["inference"])
@@ -91,17 +91,13 @@ async def embed(request: Request, query: Annotated[EmbedQuery, Query()]) -> Resp
     out = await pipeline.images([data for _, data in uploads], OUTPUTS_ONLY)
     vectors = encoded(embeddings(pipeline, out.fields, query.normalize), query.encoding)
     total_ms = (time.perf_counter() - start) * 1e3
-    timings = zip(out.decode_ms, out.queue_ms.tolist(), out.inference_ms.tolist(), out.batch_size.tolist())
     results = []
-    for i, ((filename, _), vector, (decode_ms, queue_ms, inference_ms, batch)) in enumerate(
-            zip(uploads, vectors, timings)):
+    for i, ((filename, _), vector, ran) in enumerate(zip(uploads, vectors, batch_and_timings(out, total_ms))):
         if (error := out.errors.get(i)) is not None:  # this file alone could not be read
             results.append({"index": i, "filename": filename,
                             "error": {"code": error.code, "message": error.message}})
             continue
-        results.append({"index": i, "filename": filename, "embedding": vector, "batch_size": batch,
-                        "timings_ms": {"decode_ms": decode_ms, "queue_ms": queue_ms, "inference_ms": inference_ms,
-                                       "total_ms": total_ms}})
+        results.append({"index": i, "filename": filename, "embedding": vector, **ran})
     section = pipeline.entry.embedding
     return json_response({"model": pipeline.name, "size": section["size"], "pooling": section["pooling"],
                           "normalized": query.normalize, "encoding": query.encoding, "results": results})
