@@ -48,9 +48,6 @@ def classify_on(client: socket.socket, jpeg: bytes, requests: int) -> list[int]:
 def test_the_census_reads_every_thread_of_the_service_by_role_and_job():
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
     with service_and_process(backend="process", workers=2, model_control="none") as (url, proc):
-        at_rest = census.snapshot([proc.pid])
-        time.sleep(3)
-        rested = census.snapshot([proc.pid])
         # two connections to each worker, whatever the kernel's hash does with new ones (a kept-alive client's few
         # connections may all land on one worker, and a worker's decode thread starts with its first decode)
         pinned = connections_to_every_worker(url, workers=2, each=2)
@@ -63,6 +60,11 @@ def test_the_census_reads_every_thread_of_the_service_by_role_and_job():
         finally:
             for client in (c for held in pinned.values() for c in held):
                 client.close()
+        # at rest once every process has started and served: just after ready, a worker may still import and the
+        # inference process still settle
+        at_rest = census.snapshot([proc.pid])
+        time.sleep(3)
+        rested = census.snapshot([proc.pid])
     assert [status for statuses in answers for status in statuses] == [200] * 80
     work = census.spent(before, after)
     kinds = {(t.role, t.kind) for t in work.values()}
@@ -87,9 +89,9 @@ def test_the_census_reads_every_thread_of_the_service_by_role_and_job():
     ranked = lines[lines.index(next(line for line in lines if line.startswith("busiest threads"))) + 1:]
     cores = [float(line.split()[-6]) for line in ranked]
     assert cores == sorted(cores, reverse=True) and cores[0] > 0
-    # at rest, the whole service (supervisor, inference process, workers) burns under 5% of a core: a thread that
-    # spins takes a whole one, where the four processes' event loops' timers come to 2-3% (7-8 ticks in 3 s here,
-    # which a 2% bound failed by chance)
+    # at rest, the whole service (supervisor, inference process, workers) burns under a quarter of a core: a thread
+    # that spins takes a whole one, where the four processes' event-loop timers came to 2-13% on this slow, noisy
+    # host (7 to 39 ticks in 3 s; a 2% bound failed by chance)
     idle = census.spent(at_rest, rested)
-    assert sum(t.user + t.system for t in idle.values()) / census.TICKS / (rested.at - at_rest.at) < 0.05, \
+    assert sum(t.user + t.system for t in idle.values()) / census.TICKS / (rested.at - at_rest.at) < 0.25, \
         sorted((t.user + t.system, t.role, t.name) for t in idle.values() if t.user + t.system)
