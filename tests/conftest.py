@@ -12,3 +12,16 @@ os.environ["VITSERVE_GRPC_PORT"] = "0"
 # Every server a test starts, in its process or in another, runs each model's first CPU plan without measuring the
 # others (the quickest start: measuring them costs each start seconds); tests/test_cpu_plans.py measures and pins
 os.environ.setdefault("VITSERVE_CPU_PLAN", "first")
+
+# The slowest files first (in that order: seconds in one worker, `--durations` of 2026-12-02, export 134 s down to
+# hf_embeddings 24 s), then the rest as collected: `make test`'s workers take whole files (--dist loadfile), and a
+# worker handed one of these last would leave the others idle while it finished.
+SLOWEST_FIRST = ["test_export.py", "test_container.py", "test_faults.py", "test_timm_parity.py", "test_model_control.py",
+                 "test_docs.py", "test_process_backend.py", "test_request_timeout.py", "test_client_mistakes.py",
+                 "test_fuzz.py", "test_tracing.py", "test_service.py", "test_hf_folders.py", "test_grpc.py",
+                 "test_hf_embeddings.py"]
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order is kept

@@ -120,6 +120,47 @@ def test_fp16_exports_pass_their_gate_on_cuda(tmp_path, name):
     assert fp16["provider"] == CUDA and fp16["top1_agreement"] >= 0.99
 
 
+
+def test_an_embedding_folders_fp16_export_passes_its_gate_on_cuda_and_embeds_as_its_fp32_graph(tmp_path):
+    """A Hugging Face DINOv2 folder (tests/test_hf_embeddings.py's tiny one) in fp16: gated by the turn of its
+    embeddings on CUDA, served for its base name, and /embed's vector that of the fp32 graph on the CPU."""
+    from test_hf_embeddings import save_folder
+
+    from export.parity import MIN_EMBEDDING_COSINE
+    from repository import graph_inputs, read_entry
+    from service.images.decode import upload_input
+
+    folder, repo = tmp_path / "dinov2", tmp_path / "repo"
+    save_folder(folder, "dinov2")
+    for precision in ("fp32", "fp16"):
+        export_main([str(folder), "--precision", precision, "--out", str(repo), "--no-explain"])
+    fp16 = json.loads((repo / "dinov2-fp16" / "manifest.json").read_text())["parity"]["fp16"]
+    assert fp16["provider"] == CUDA and fp16["embeddings_min_cosine"] >= MIN_EMBEDDING_COSINE, fp16
+    jpegs = [photo_bytes(photo, "JPEG", quality=90) for photo in ("chelsea", "astronaut", "coffee")]
+    with running_service(model_repository=repo) as url:
+        model = httpx.get(f"{url}/models").json()["models"][0]
+        assert (model["name"], model["precision"], model["graph"]) == ("dinov2", "fp16", "dinov2-fp16")
+        files = [("files", (f"{i}.jpg", jpeg)) for i, jpeg in enumerate(jpegs)]
+        r = httpx.post(f"{url}/embed", files=files, params={"model": "dinov2"}, timeout=60)
+        assert r.status_code == 200, r.text
+        got = np.array([x["embedding"] for x in r.json()["results"]])
+    pixels = np.stack([upload_input(jpeg, read_entry(repo / "dinov2").policy, 10**8) for jpeg in jpegs])
+    want = ort.InferenceSession(repo / "dinov2" / "model.onnx", providers=[CPU]).run(
+        ["embeddings"], graph_inputs(pixels))[0]
+    want /= np.linalg.norm(want, axis=1, keepdims=True)  # /embed normalises by default
+    assert ((got * want).sum(1) / np.linalg.norm(got, axis=1)).min() >= MIN_EMBEDDING_COSINE
+
+
+def test_on_cuda_no_cpu_plan_is_measured_or_run_and_the_int8_export_stays_on_the_cpu():
+    """The CPU plans (engine/cpu_plans.py) are for CPU hosts: with VITSERVE_CPU_PLAN=auto a CUDA host runs each
+    transformer's fp32 graph on CUDA, measures nothing, and only the int8 export (CPU-only) takes a plan."""
+    with running_service(cpu_plan="auto") as url:
+        models = {m["name"]: m for m in httpx.get(f"{url}/models").json()["models"]}
+    on_cuda = {name for name, m in models.items() if m["provider"] == CUDA}
+    assert on_cuda >= {"shapes-vit", "shapes-deit", "shapes-swin", "expression-vit", "expression-fer2013"}, models
+    assert all(models[name]["plan"] is None and models[name]["plan_measured"] is None for name in on_cuda), models
+    assert (models["shapes-vit-int8"]["provider"], models["shapes-vit-int8"]["plan"]) == (CPU, "onnxruntime:int8")
+
 def test_jpegs_decoded_on_the_gpu_answer_as_pillow_decoded_ones():
     pytest.importorskip("cupy", reason="GPU decoding needs CuPy (the `gpu` extra)")
     pytest.importorskip("nvidia.nvimgcodec", reason="GPU decoding needs nvImageCodec (the `gpu` extra)")
