@@ -120,14 +120,13 @@ def test_fp16_exports_pass_their_gate_on_cuda(tmp_path, name):
     assert fp16["provider"] == CUDA and fp16["top1_agreement"] >= 0.99
 
 
-
 def test_an_embedding_folders_fp16_export_passes_its_gate_on_cuda_and_embeds_as_its_fp32_graph(tmp_path):
     """A Hugging Face DINOv2 folder (tests/test_hf_embeddings.py's tiny one) in fp16: gated by the turn of its
     embeddings on CUDA, served for its base name, and /embed's vector that of the fp32 graph on the CPU."""
-    from test_hf_embeddings import save_folder
+    from test_hf_embeddings import cosine, embed, save_folder
 
     from export.parity import MIN_EMBEDDING_COSINE
-    from repository import graph_inputs, read_entry
+    from repository import read_entry
     from service.images.decode import upload_input
 
     folder, repo = tmp_path / "dinov2", tmp_path / "repo"
@@ -145,10 +144,7 @@ def test_an_embedding_folders_fp16_export_passes_its_gate_on_cuda_and_embeds_as_
         assert r.status_code == 200, r.text
         got = np.array([x["embedding"] for x in r.json()["results"]])
     pixels = np.stack([upload_input(jpeg, read_entry(repo / "dinov2").policy, 10**8) for jpeg in jpegs])
-    want = ort.InferenceSession(repo / "dinov2" / "model.onnx", providers=[CPU]).run(
-        ["embeddings"], graph_inputs(pixels))[0]
-    want /= np.linalg.norm(want, axis=1, keepdims=True)  # /embed normalises by default
-    assert ((got * want).sum(1) / np.linalg.norm(got, axis=1)).min() >= MIN_EMBEDDING_COSINE
+    assert cosine(got, embed(repo, "dinov2", pixels)) >= MIN_EMBEDDING_COSINE  # the fp32 graph on the CPU
 
 
 def test_on_cuda_no_cpu_plan_is_measured_or_run_and_the_int8_export_stays_on_the_cpu():
@@ -160,6 +156,7 @@ def test_on_cuda_no_cpu_plan_is_measured_or_run_and_the_int8_export_stays_on_the
     assert on_cuda >= {"shapes-vit", "shapes-deit", "shapes-swin", "expression-vit", "expression-fer2013"}, models
     assert all(models[name]["plan"] is None and models[name]["plan_measured"] is None for name in on_cuda), models
     assert (models["shapes-vit-int8"]["provider"], models["shapes-vit-int8"]["plan"]) == (CPU, "onnxruntime:int8")
+
 
 def test_jpegs_decoded_on_the_gpu_answer_as_pillow_decoded_ones():
     pytest.importorskip("cupy", reason="GPU decoding needs CuPy (the `gpu` extra)")
