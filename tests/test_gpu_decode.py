@@ -256,6 +256,9 @@ def test_the_gpu_takes_jpegs_while_its_queue_has_room_and_the_cpu_decodes_the_re
                     answers.append(asyncio.create_task(pipeline.images([jpeg])))
                     while backend.batchers["shapes-vit"].depth < depth:
                         await asyncio.sleep(0.005)
+                    # the batcher tells the board its room once the turn that queued it is over
+                    # (Batcher._tell_depth): read it after that turn (failed by chance without: [2, 2, 0])
+                    await asyncio.sleep(0)
                 decoder.go.set()
                 done = await asyncio.gather(*answers)
         finally:
