@@ -48,14 +48,13 @@ perf-analyzer: $(PERF_ANALYZER)
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
-# On a GPU host (docs/development.md#the-gpu-check): the service under wrk, the graphs and the CUDA tests, into
-# bench/results/. No venv there and no package index: python3 with the PYTHONPATH that ../shared/gpu/device-setup.sh
-# sets, and the graphs from BENCH_CACHE (exported on the CPU host: python bench/gpu_check.py --export-cache DIR),
-# with the serving wheels the host lacks and stage.sh does not stage (bench/gpu_wheels.py) in its wheels/ folder.
-# Its stderr too goes to stdout, so that `make gpu-check | tee LOG` keeps everything.
+# On a GPU host (docs/development.md#the-gpu-check): the CUDA tests, the service under wrk, the graphs, decoding, a
+# census, a profile and the JPEG engines, each part in its time box (420 s in all), into bench/results/ (GPU_CHECK_OUT
+# elsewhere: the device's $OUT). No venv there and no package index: python3 with the PYTHONPATH that
+# bench/gpu_setup.sh sets, from the parts bench/gpu_stage.py packed here. Its stderr too goes to stdout.
+GPU_CHECK_OUT ?= bench/results
 gpu-check:
-	$(PYTHON) bench/gpu_wheels.py install $${BENCH_CACHE:-/tmp/gpu-stage/cache}/wheels 2>&1
-	$(PYTHON) bench/gpu_check.py 2>&1
+	$(PYTHON) bench/gpu_check.py --out $(GPU_CHECK_OUT) 2>&1
 
 # The embedded demo models: synthetic data, then one training run each (about 3 h on 2 CPU cores; the two
 # shape runs without a teacher can run side by side with OMP_NUM_THREADS=1 each).

@@ -1,36 +1,38 @@
-"""One command for a GPU host (`make gpu-check`): the service under wrk with a per-thread CPU census and an A/B of
-the settings that might bind, JPEG decoding, the CUDA tests, the graphs at batch 256 and a profile, in that order,
-into bench/results/gpu-<date>-<commit>.txt with the device, the CPU, date, commit and ONNX Runtime.
+"""One command for a GPU host (`make gpu-check`), in one device call of at most 7 minutes: its parts in order of
+value, each in a process of its own with a time box (BOXES, 420 s together; --budget scales them), cut at its box
+so that the next one runs. Every line goes at once to gpu-<date>-<commit>.txt in --out (the device's $OUT: a call
+killed at any point returns what ran), and gpu-<date>-<commit>-summary.txt is rewritten after each part: alarms
+first (a CUDA host serving on the CPU), then each part's outcome.
 
-    python bench/gpu_check.py --export-cache /tmp/gpu-cache   # on the CPU host: the graphs it needs, weightless
-    python bench/gpu_check.py --cache /tmp/gpu-cache          # on the GPU host: about 6 minutes on an H200
-    python bench/gpu_check.py --quick                         # a smoke run: 1 s levels, 64 connections, 1 round
-    python bench/gpu_check.py --parts service --switches "1 decode thread" --rounds 2 --no-census   # one A/B again
+    python bench/gpu_stage.py pack                         # on the CPU host: the graphs and wheels, in parts
+    python bench/gpu_check.py --out $OUT                    # on the GPU host: 7 minutes at most
+    python bench/gpu_check.py --quick --budget 60 --expect-cuda   # a rehearsal on the CPU: every part, cut short
+    python bench/gpu_check.py --parts service --switches "1 decode thread" --rounds 2   # one A/B again
 
-engines: bench/jpeg_engines.py: nvImageCodec's decode alone, configuration by configuration (issue 59's E0-E5:
-         the batched paths, CPU threads, Python threads, upsampling, memory, load hints, batch size), 2-3 minutes.
+tests:   pytest over tests/test_gpu.py and tests/test_gpu_decode.py, test by test over half the cores (pytest-xdist).
 service: `python -m service` (the backend it picks: process on CUDA) serving DeiT-Ti from --cache, with its fp16
          sibling on CUDA (so in fp16); wrk (bench/wrk.py, one fixed request over kept-alive connections) for
-         1 + 5 + 1 s a level, measured over the middle 5 s: images/s, p50/p99, errors (non-2xx among them), the GPU's
-         utilisation (NVML), the host's busy cores (/proc/stat: wrk's included) and the CPU ms per image of the HTTP
-         workers, the inference process, wrk and the whole host. At the default settings, /classify with 1 and 8
-         JPEGs (the 451 x 300 chelsea photo), /v2 with 1 UINT8 image and /classify with a 12 MP phone photo, each
-         with a census (bench/census.py: every thread of the service and of wrk by role and job, the host's steal,
-         softirq, context switches and interrupts). Then the A/B: /classify 1 JPEG at each of SWITCHES against the
-         default, interleaved (the default again after every three, and last), --rounds times over; with GPU
-         decoding among them, the phone photo too.
+         1 + N + 1 s a level, measured over the middle N s: images/s, p50/p99, errors (non-2xx among them), the
+         GPU's utilisation (NVML), the host's busy cores (/proc/stat: wrk's included) and the CPU ms per image of the
+         HTTP workers, the inference process, wrk and the whole host. /classify with 1 and 8 JPEGs (the 451 x 300
+         chelsea photo) and with a 12 MP phone photo at each of --switches against the default, interleaved
+         (schedule): by default GPU decoding through the decode router, and every JPEG to the GPU. On a CUDA host a
+         model served on the CPU is an alarm.
+graphs:  bench/gpu.py --parts graphs --models GRAPH_MODELS --batches 256: DeiT-Ti, then Swin-T (DeiT-Ti alone on
+         the CPU), ORT fp16 against torch and torch.compile. It exports nothing on a host whose torch cannot: a
+         missing graph stops it with the command that makes it.
 decode:  bench/gpu.py --parts decode: the CPU path on every core against GpuDecoder and nvImageCodec alone, batches
-         of 1, 16 and 64 from one and two threads, for the 451 x 300 photo, the 12 MP one and mixed sizes; and
-         whether the JPEG engines alone decode with fancy upsampling.
-tests:   python -m pytest -q tests/test_gpu.py tests/test_gpu_decode.py.
-graphs:  bench/gpu.py --parts graphs --models GRAPH_MODELS --batches 256 --cache DIR: DeiT-Ti, ViT-B/16 and Swin-T
-         (DeiT-Ti alone on the CPU). It exports nothing on a host whose torch cannot: a missing graph stops it with
-         the command that makes it.
+         of 1, 16 and 64 from one and two threads, for the 451 x 300 photo, the 12 MP one and mixed sizes.
+census:  the service at the default settings: /classify with 1 and 8 JPEGs and /v2 with 1 UINT8 image, each with a
+         census (bench/census.py: every thread of the service and of wrk by role and job, the host's steal,
+         softirq, context switches and interrupts).
 profile: py-spy (--subprocesses) on the service through one level each of /classify 1 JPEG and /v2 8 images: each
          process's busy threads and its busiest leaf frames.
+engines: bench/jpeg_engines.py: nvImageCodec's decode alone, configuration by configuration (issue 59's E0-E5);
+         all of them take 2-3 minutes, so a full run is `--parts engines --budget 1400`.
 The cache's graphs travel without their weights (bench/weightless.py), and get new random ones before any part runs.
-A part that fails is recorded and the next one runs. Without CUDA the same parts run on the CPU (fp32, GPU decoding
-and blocking sync not run, test_gpu.py skipped), and the file says so. The commit is git's, or GPU_CHECK_COMMIT's
+Without CUDA the same parts run on the CPU (fp32, GPU decoding not run, test_gpu.py skipped), and the file says so;
+--expect-cuda makes that an alarm, as a GPU that nvidia-smi sees does. The commit is git's, or GPU_CHECK_COMMIT's
 where the tree has no git repository (a copy on the GPU host).
 """
 import argparse
@@ -46,11 +48,11 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +62,7 @@ import census  # noqa: E402
 import httpx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import wrk  # noqa: E402
+from jpegs import phone_photo  # noqa: E402
 from process_cost import INFERENCE, WORKERS, supervisor_pid  # noqa: E402
 from service_overhead import decode_cpu_ms  # noqa: E402
 from service_process import model_pixels, photo_bytes, running_service  # noqa: E402
@@ -71,9 +74,13 @@ from service.engine.runtime import CUDA, choose_device  # noqa: E402
 MODEL = "deit_tiny_patch16_224"
 # the graphs part on CUDA: the models of issue 40's targets (on the CPU, MODEL alone: batch 256 of ViT-B/16 takes
 # a minute there)
-GRAPH_MODELS = [MODEL, "vit_base_patch16_224", "swin_tiny_patch4_window7_224"]
-PARTS = ["engines", "service", "decode", "tests", "graphs", "profile"]
+GRAPH_MODELS = [MODEL, "swin_tiny_patch4_window7_224"]
+# each part's time box in seconds, in the order they run (the most valuable first): 420 s in all, one device call
+# that leaves a 15-minute lease room for the start, the staging and a rerun (docs/development.md#the-gpu-check)
+BOXES = {"tests": 110, "service": 120, "graphs": 60, "decode": 30, "census": 40, "profile": 30, "engines": 30}
+BUDGET = sum(BOXES.values())
 RESULTS = ROOT / "bench" / "results"
+ALARM = "ALARM: "  # a line a part prints for the summary's top
 
 
 class PartFailed(RuntimeError):
@@ -187,7 +194,6 @@ class Usage:
 def served(cache: Path, cuda: bool) -> tuple[list[Path], dict[str, wrk.Request]]:
     """The model's repository folders (its fp16 sibling on CUDA) and the requests the levels post."""
     from gpu import export
-    from jpegs import phone_photo
     folders = [export(cache, MODEL)] + ([export(cache, MODEL, "fp16")] if cuda else [])
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
     pixels = model_pixels(folders[0], jpeg)
@@ -206,6 +212,9 @@ SWITCHES = {"default": {}, "CUDA blocking sync": {"cuda_blocking_sync": True}, "
             "GPU decoding": {"gpu_decode": True},  # the decode router: the CPU decodes what the GPU's queue can't take
             "GPU decoding, every JPEG": {"gpu_decode": True, "gpu_decode_queue_batches": 10**6},
             "max batch 64": {"max_batch_size": 64}}
+GPU_ONLY = ("GPU decoding", "GPU decoding, every JPEG", "CUDA blocking sync")  # not run without CUDA
+SERVICE_SWITCHES = ["GPU decoding", "GPU decoding, every JPEG"]  # the service part's, by default
+SERVICE_LEVELS = ["/classify 1 JPEG", "/classify 8 JPEG", "/classify 12 MP"]
 CENSUS_LEVELS = ["/classify 1 JPEG", "/classify 8 JPEG", "/v2 UINT8 1 img"]  # with a census each, at the default
 
 
@@ -266,66 +275,104 @@ def row(label: str, clients: int, m: Level) -> str:
             f"{m.gpu:>7} {m.cores:>5.1f} {ms[WORKERS]:>7.3f} {ms[INFERENCE]:>8.3f} {ms['wrk']:>6.3f} {ms['all']:>7.3f}")
 
 
-def service(report: Report, cache: Path, cuda: bool, clients: int, seconds: int, switches: list[str],
-            rounds: int, census_levels: bool) -> None:
-    """At the default settings, a census of each of CENSUS_LEVELS and the 12 MP photo; then the A/B: /classify with
-    1 JPEG at each switch against the default, interleaved (schedule), and the 12 MP photo at the default and with
-    GPU decoding."""
-    from gpu import repository_of
-    from jpegs import phone_photo
+def cpu_served(models: list[dict]) -> list[str]:
+    """The models of /models served on the CPU, save the int8 export's (a CPU-only plan): on a CUDA host each is a
+    fallback that nothing else would show (one failed CUDA session sends every model to the CPU)."""
+    return [f"{m['name']} ({m['precision']} on {m['provider']})" for m in models
+            if m.get("provider") != CUDA and m.get("precision") != "int8"]
+
+
+@contextmanager
+def started(report: Callable[[str], None], repo: Path, cuda_host: bool, **settings) -> Iterator[tuple[str, int]]:
+    """The service on `repo` with `settings`, ready: its URL and supervisor pid, after a line of what /models says
+    (and an alarm, on a CUDA host, for each model it serves on the CPU)."""
+    with running_service(model_repository=repo, queue_limit=4096, access_log=False, **settings) as url:
+        supervisor = supervisor_pid(int(url.rsplit(":", 1)[1]))
+        models = httpx.get(f"{url}/models", timeout=10).json()["models"]
+        report(f"{len(census.snapshot([supervisor]).threads)} threads at rest; /models: " + "; ".join(
+            f"{m['name']}: {m['precision']} on {m['provider']}, decode {m['decode']}"
+            + (f" ({m['decode_reason']})" if m.get("decode_reason") else "") for m in models))
+        if cuda_host and (fallen := cpu_served(models)):
+            report(f"{ALARM}on a CUDA host, served on the CPU: {', '.join(fallen)}")
+        yield url, supervisor
+
+
+def preamble(report: Callable[[str], None], cache: Path, cuda: bool, seconds: int) -> tuple[list[Path], dict]:
     folders, requests = served(cache, cuda)
-    settings = {"queue_limit": 4096, "access_log": False}
     one_thread = decode_cpu_ms(photo_bytes("chelsea", "JPEG", quality=90), read_entry(folders[0]).policy)
     phone = decode_cpu_ms(phone_photo(), read_entry(folders[0]).policy)
-    report(f"{MODEL} ({'fp16 sibling on CUDA' if cuda else 'fp32 on the CPU'}), settings {settings}; wrk threads "
-           f"{wrk_threads()}, {seconds} s measured within 1 + {seconds} + 1 s per level; GPU % = NVML utilisation "
-           f"mean/max, cores = busy host cores of {os.cpu_count()} (wrk's included); CPU ms per image of the HTTP "
-           f"workers together, the inference process, wrk, and the host's busy cores (everything); decoding and "
-           f"resizing the 451 x 300 JPEG costs one idle thread of this host {one_thread:.2f} ms, the 12 MP one "
-           f"{phone:.1f} ms")
-    if not cuda:
-        switches = [s for s in switches if s not in ("GPU decoding", "CUDA blocking sync")]
-        report("GPU decoding and CUDA blocking sync: not run (the CUDA provider does not start here)")
-    ab: dict[str, list[Level]] = {}
+    report(f"{MODEL} ({'fp16 sibling on CUDA' if cuda else 'fp32 on the CPU'}); wrk threads {wrk_threads()}, "
+           f"{seconds} s measured within 1 + {seconds} + 1 s per level; GPU % = NVML utilisation mean/max, cores = "
+           f"busy host cores of {os.cpu_count()} (wrk's included); CPU ms per image of the HTTP workers together, "
+           f"the inference process, wrk, and the host's busy cores (everything); decoding and resizing the 451 x 300 "
+           f"JPEG costs one idle thread of this host {one_thread:.2f} ms, the 12 MP one {phone:.1f} ms")
+    return folders, requests
+
+
+def measured(report: Callable[[str], None], url: str, supervisor: int, request: wrk.Request, label: str,
+             clients: int, seconds: int) -> Level | None:
+    """One level and its row; None (the failure told) where it fails, and the next level runs."""
+    conns = min(clients, 64) if label == "/classify 12 MP" else clients
+    try:
+        m = level(url, supervisor, request, conns, seconds)
+    except Exception as e:  # noqa: BLE001 - the level's failure, recorded
+        report(f"{label:<18} {conns:>5} FAILED: {type(e).__name__}: {' '.join(str(e).split())}")
+        return None
+    report(row(label, conns, m))
+    return m
+
+
+def service(report: Callable[[str], None], cache: Path, cuda: bool, cuda_host: bool, clients: int, seconds: int,
+            switches: list[str], rounds: int) -> None:
+    """SERVICE_LEVELS at each switch against the default, interleaved (schedule), each from a fresh start; then
+    each level's img/s against the default's median."""
+    from gpu import repository_of
+    folders, requests = preamble(report, cache, cuda, seconds)
+    if not cuda and (skipped := [s for s in switches if s in GPU_ONLY]):
+        switches = [s for s in switches if s not in GPU_ONLY]
+        report(f"{', '.join(skipped)}: not run (the CUDA provider does not start here)")
+    runs: dict[tuple[str, str], list[Level]] = {}
     failed = 0
     with repository_of(folders) as repo:
-        for i, switch in enumerate(schedule(switches, rounds)):
-            first = i == 0 and census_levels
-            with running_service(model_repository=repo, **settings | SWITCHES[switch]) as url:
-                supervisor = supervisor_pid(int(url.rsplit(":", 1)[1]))
-                models = httpx.get(f"{url}/models", timeout=10).json()["models"]
-                threads = len(census.snapshot([supervisor]).threads)
-                report(f"\n{switch} {SWITCHES[switch] or ''}: {threads} threads at rest; /models: " + "; ".join(
-                    f"{m['name']}: {m['precision']} on {m['provider']}, decode {m['decode']}"
-                    + (f" ({m['decode_reason']})" if m.get("decode_reason") else "") for m in models))
+        for switch in schedule(switches, rounds):
+            report(f"\n{switch} {SWITCHES[switch] or ''}:")
+            with started(report, repo, cuda_host, **SWITCHES[switch]) as (url, supervisor):
                 report(HEADER)
-                labels = ([*CENSUS_LEVELS, "/classify 12 MP"] if first else ["/classify 1 JPEG"]
-                          + (["/classify 12 MP"] if switch in ("default", "GPU decoding") and "GPU decoding" in switches
-                             else []))
-                for label in labels:
-                    conns = min(clients, 64) if label == "/classify 12 MP" else clients
-                    try:
-                        m = level(url, supervisor, requests[label], conns, seconds)
-                    except Exception as e:  # noqa: BLE001 - the level's failure, recorded; the next level runs
-                        failed += 1
-                        report(f"{label:<18} {conns:>5} FAILED: {type(e).__name__}: {' '.join(str(e).split())}")
-                        continue
-                    report(row(label, conns, m))
-                    if first:
-                        report("\n".join(m.census) + "\n")
-                    if label == "/classify 1 JPEG":
-                        ab.setdefault(switch, []).append(m)
-    if ab.get("default"):
-        base = statistics.median(m.figures.images_per_s for m in ab["default"])
-        report(f"\nA/B, /classify 1 JPEG at {clients} connections: img/s against the median of the default's "
-               f"{len(ab['default'])} runs ({base:,.0f}: " + ", ".join(f"{m.figures.images_per_s:,.0f}"
-                                                                       for m in ab["default"]) + ")")
-        for switch, runs in ab.items():  # medians over the switch's runs
-            rate = statistics.median(m.figures.images_per_s for m in runs)
-            ms = {k: statistics.median(m.per_image[k] for m in runs) for k in ("all", WORKERS, INFERENCE)}
-            report(f"  {switch:<20} {rate:>9,.0f} img/s  {rate / base:>5.2f}x  p99 "
-                   f"{statistics.median(m.figures.p99_ms for m in runs):>6.1f} ms  host {ms['all']:.3f} ms/img  "
-                   f"HTTP {ms[WORKERS]:.3f}  infer {ms[INFERENCE]:.3f}  ({len(runs)} runs)")
+                for label in SERVICE_LEVELS:
+                    m = measured(report, url, supervisor, requests[label], label, clients, seconds)
+                    failed += m is None
+                    if m is not None:
+                        runs.setdefault((switch, label), []).append(m)
+    for label in SERVICE_LEVELS:
+        if not (default := runs.get(("default", label))):
+            continue
+        base = statistics.median(m.figures.images_per_s for m in default)
+        report(f"\n{label} at {clients} connections: img/s against the default's median ({base:,.0f} over "
+               f"{len(default)} runs)")
+        for (switch, of), done in runs.items():
+            if of == label:
+                rate = statistics.median(m.figures.images_per_s for m in done)
+                ms = {k: statistics.median(m.per_image[k] for m in done) for k in ("all", WORKERS, INFERENCE)}
+                report(f"  {switch:<26} {rate:>9,.0f} img/s  {rate / base:>5.2f}x  p99 "
+                       f"{statistics.median(m.figures.p99_ms for m in done):>6.1f} ms  host {ms['all']:.3f} ms/img  "
+                       f"HTTP {ms[WORKERS]:.3f}  infer {ms[INFERENCE]:.3f}  ({len(done)} runs)")
+    if failed:
+        raise PartFailed(f"{failed} level(s) failed")
+
+
+def census_levels(report: Callable[[str], None], cache: Path, cuda: bool, cuda_host: bool, clients: int,
+                  seconds: int) -> None:
+    """CENSUS_LEVELS at the default settings, each with its census."""
+    from gpu import repository_of
+    folders, requests = preamble(report, cache, cuda, seconds)
+    failed = 0
+    with repository_of(folders) as repo, started(report, repo, cuda_host) as (url, supervisor):
+        report(HEADER)
+        for label in CENSUS_LEVELS:
+            m = measured(report, url, supervisor, requests[label], label, clients, seconds)
+            failed += m is None
+            if m is not None:
+                report("\n".join(m.census) + "\n")
     if failed:
         raise PartFailed(f"{failed} level(s) failed")
 
@@ -360,7 +407,7 @@ def busy_threads(stacks: str, seconds: float, rate: int) -> list[tuple[str, floa
     return sorted(rows, key=lambda row: -row[1])
 
 
-def profile(report: Report, cache: Path, cuda: bool, clients: int, seconds: int, max_batch: int) -> None:
+def profile(report: Callable[[str], None], cache: Path, cuda: bool, clients: int, seconds: int, max_batch: int) -> None:
     """py-spy on the service (and its subprocesses) through one level each of /classify with 1 JPEG (GPU decoding
     off) and /v2 with 8 images: where each process's threads are busy, the busiest first."""
     from gpu import repository_of
@@ -395,29 +442,76 @@ def profile(report: Report, cache: Path, cuda: bool, clients: int, seconds: int,
                     report(f"    {share:4.0%}  {leaf}")
 
 
-def logged(report: Report, argv: list[str], timeout: float) -> None:
-    """Run `argv` in the project root, its output into the report line by line; fail on its exit status, or after
-    `timeout` seconds (killed with the processes it started: torch.compile's workers, a test's service)."""
-    report(f"$ {shlex.join(argv)}")
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+@dataclass(frozen=True)
+class Part:
+    """One part of the check: the command that runs it, in a process of its own, and its time box."""
+    name: str
+    argv: list[str]
+    box_s: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    status: str  # "ok", "FAILED" (its exit status), "CUT" (killed at its box)
+    seconds: float
+    box_s: float
+
+    def __str__(self) -> str:
+        return f"{self.name:<8} {self.status:<6} {self.seconds:5.0f} s of its {self.box_s:.0f} s box"
+
+
+def run_part(report: Callable[[str], None], part: Part, alarms: list[str]) -> Outcome:
+    """The part's command in the project root, its output into the report line by line (its ALARM lines kept in
+    `alarms` too), killed at its box with every process it started (a test's service, torch.compile's workers)."""
+    report(f"\n== {part.name} (box {part.box_s:.0f} s)\n$ {shlex.join(part.argv)}")
+    start = time.monotonic()
+    proc = subprocess.Popen(part.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
-    timer.start()
-    for line in proc.stdout:
-        report(line.rstrip())
-    timer.cancel()
-    if proc.wait():
-        raise PartFailed(f"exit status {proc.returncode}" + (f" (killed after {timeout:g} s)" if proc.returncode < 0
-                                                              else ""))
+
+    def read() -> None:
+        for line in proc.stdout:
+            report(line.rstrip())
+            if line.startswith(ALARM):
+                alarms.append(f"{part.name}: {line.removeprefix(ALARM).strip()}")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc.wait(part.box_s)
+        cut = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        cut = True
+    reader.join(5)  # a process that left the group may hold the pipe: its lines are not waited for
+    status = "CUT" if cut else "ok" if proc.returncode == 0 else "FAILED"
+    return Outcome(part.name, status, time.monotonic() - start, part.box_s)
+
+
+def run_parts(report: Callable[[str], None], summary: Path, head: str, parts: list[Part],
+              alarms: list[str]) -> list[Outcome]:
+    """Each part in turn; the summary rewritten before the first and after each: the alarms at its top, then each
+    part's outcome, then the parts not run yet."""
+    outcomes: list[Outcome] = []
+
+    def tell() -> None:
+        lines = [head, *(f"{ALARM}{a}" for a in alarms), *map(str, outcomes),
+                 *(f"{p.name:<8} not run (yet)" for p in parts[len(outcomes):])]
+        summary.write_text("\n".join(lines) + "\n")
+
+    tell()
+    for part in parts:
+        outcomes.append(run_part(report, part, alarms))
+        tell()
+    return outcomes
 
 
 def export_cache(cache: Path) -> None:
     """What the check needs, exported here (the GPU host's torch cannot): for each of GRAPH_MODELS fp32 and fp16
     repository folders, and the fp16 graph without ORT's fusions that bench/gpu.py's graphs part times beside them,
-    all without their weights (bench/weightless.py: the check draws new ones there); and the serving wheels
-    ../shared/gpu/stage.sh does not stage (bench/gpu_wheels.py), which `make gpu-check` installs there."""
+    all without their weights (bench/weightless.py: the check draws new ones there)."""
     from gpu import export, fp16_variant
-    from gpu_wheels import download
 
     from export.fusion import REWRITES
     for model in GRAPH_MODELS:
@@ -425,75 +519,97 @@ def export_cache(cache: Path) -> None:
             export(cache, model, precision)
         fp16_variant(cache, model, tuple(REWRITES))
     strip_all(cache)
-    download(cache / "wheels", large=False)
     size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
-    print(f"{cache}: {size / 2**20:.0f} MiB; stage it with `BENCH_CACHE={cache} bash ../shared/gpu/stage.sh`")
+    print(f"{cache}: {size / 2**20:.0f} MiB; stage it with `python bench/gpu_stage.py pack --cache {cache}`")
+
+
+def gpu_seen() -> bool:
+    return shutil.which("nvidia-smi") is not None and device().startswith("NVIDIA")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("BENCH_CACHE", "/tmp/gpu-stage/cache")),
                    help="the exported graphs (default: $BENCH_CACHE, else /tmp/gpu-stage/cache, where "
-                        "../shared/gpu/device-setup.sh puts staged ones)")
+                        "bench/gpu_setup.sh puts staged ones)")
     p.add_argument("--export-cache", type=Path, metavar="DIR",
                    help="export the graphs the check needs into DIR (on a host whose torch can) and stop")
-    p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which parts, always in this order")
+    p.add_argument("--out", type=Path, default=RESULTS, help="where the report and its summary go (default: "
+                                                             "bench/results; on the device, $OUT)")
+    p.add_argument("--parts", nargs="+", choices=BOXES, default=list(BOXES), help="which parts, always in this order")
+    p.add_argument("--budget", type=float, default=BUDGET,
+                   help=f"seconds for all the parts chosen, shared as BOXES shares {BUDGET} (default: {BUDGET})")
+    p.add_argument("--expect-cuda", action="store_true",
+                   help="take this host for a CUDA host (as a GPU that nvidia-smi sees does): serving on the CPU is "
+                        "an alarm")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 s levels at 64 connections, 1 graph round")
     p.add_argument("--clients", type=int, help="wrk connections per level (default: 256; 64 with --quick)")
-    p.add_argument("--seconds", type=int, help="per service level, after 1 s of warm-up (default: 5)")
+    p.add_argument("--seconds", type=int, help="per service level, after 1 s of warm-up (default: 3; 1 with --quick)")
     p.add_argument("--switches", nargs="*", choices=[k for k in SWITCHES if k != "default"],
-                   default=[k for k in SWITCHES if k != "default"], help="the A/B's, each against the default")
-    p.add_argument("--rounds", type=int, default=1, help="the A/B's switches this many times over")
-    p.add_argument("--no-census", action="store_true", help="the A/B alone, without the census levels")
+                   default=SERVICE_SWITCHES, help="the service part's, each against the default")
+    p.add_argument("--rounds", type=int, default=1, help="the switches this many times over")
     p.add_argument("--max-batch-size", type=int, default=16, help="the profile's (VITSERVE_MAX_BATCH_SIZE)")
+    p.add_argument("--run-part", choices=["service", "census", "profile"], help=argparse.SUPPRESS)  # the driver's
+    p.add_argument("--cuda", action="store_true", help=argparse.SUPPRESS)  # the driver's probe, for --run-part
     args = p.parse_args()
     if args.export_cache:
         return export_cache(args.export_cache)
     clients = args.clients or (64 if args.quick else 256)
-    seconds = args.seconds or (1 if args.quick else 5)
-    rounds = ["--rounds", "1", "--seconds", "1"] if args.quick else ["--rounds", "2", "--seconds", "2"]
-    started, now, source = time.monotonic(), datetime.now(timezone.utc), commit()
-    report = Report(RESULTS / f"gpu-{now:%Y-%m-%d}-{source}.txt")
+    seconds = args.seconds or (1 if args.quick else 3)
+    if args.run_part:  # in the process the driver started for it
+        say = partial(print, flush=True)
+        run = {"service": lambda: service(say, args.cache, args.cuda, args.expect_cuda, clients, seconds,
+                                          args.switches, args.rounds),
+               "census": lambda: census_levels(say, args.cache, args.cuda, args.expect_cuda, clients, seconds),
+               "profile": lambda: profile(say, args.cache, args.cuda, clients, seconds, args.max_batch_size)}
+        try:
+            run[args.run_part]()
+        except PartFailed as e:
+            sys.exit(f"{args.run_part}: {e}")
+        return
+    began, now, source = time.monotonic(), datetime.now(timezone.utc), commit()
+    stem = f"gpu-{now:%Y-%m-%d}-{source}"
+    report = Report(args.out / f"{stem}.txt")
     report(f"{shlex.join(['bench/gpu_check.py', *sys.argv[1:]])}, {now:%Y-%m-%d %H:%M} UTC, commit {source}")
+    alarms: list[str] = []
     try:  # as the service decides, on its smallest embedded graph
         cuda = choose_device([read_entry(ROOT / "model_repository" / "shapes-vit")], None) == CUDA
     except Exception as e:  # noqa: BLE001 - the CPU then, and why
         cuda = False
         report(f"the CUDA provider's probe failed: {type(e).__name__}: {e}")
+    cuda_host = args.expect_cuda or gpu_seen()
     report(f"device: {device()}; CUDA provider {'starts' if cuda else 'does not start: CUDA parts not run'}")
+    if cuda_host and not cuda:
+        alarms.append("check: a CUDA host (" + ("--expect-cuda" if args.expect_cuda else "nvidia-smi sees a GPU")
+                      + ") whose CUDA provider does not start: every model is served on the CPU")
+        report(ALARM + alarms[-1])
     report(f"host: {cpus()}, Python {platform.python_version()}; onnxruntime {ort.__version__}, "
            f"providers {', '.join(ort.get_available_providers())}; cache {args.cache}")
     start = time.monotonic()
     if refilled := refill_all(args.cache):
         report(f"{len(refilled)} graphs staged without their weights given new ones (bench/weightless.py) in "
                f"{time.monotonic() - start:.0f} s")
-    parts: dict[str, Callable[[], None]] = {
-        "engines": lambda: logged(report, [sys.executable, "bench/jpeg_engines.py",
-                                           *(["--quick"] if args.quick else [])], 400),
-        "service": lambda: service(report, args.cache, cuda, clients, seconds, args.switches, args.rounds,
-                                   not args.no_census),
-        "decode": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "decode", "--models", MODEL,
-                                          "--cache", str(args.cache)], 240),
-        "tests": lambda: logged(report, [sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py",
-                                         "tests/test_gpu_decode.py"], 240),
-        "graphs": lambda: logged(report, [sys.executable, "bench/gpu.py", "--parts", "graphs", "--models",
-                                          *(GRAPH_MODELS if cuda else [MODEL]), "--batches", "256", "--cache",
-                                          str(args.cache), *rounds], 300),
-        "profile": lambda: profile(report, args.cache, cuda, clients, seconds, args.max_batch_size)}
-    outcomes = []
-    for name, part in ((k, v) for k, v in parts.items() if k in args.parts):
-        report(f"\n== {name}")
-        start = time.monotonic()
-        try:
-            part()
-            outcomes.append(f"{name} ok ({time.monotonic() - start:.0f} s)")
-        except Exception as e:  # noqa: BLE001 - recorded; the next part runs
-            if not isinstance(e, PartFailed):
-                report(traceback.format_exc().rstrip())
-            outcomes.append(f"{name} FAILED ({time.monotonic() - start:.0f} s: {type(e).__name__}: {e})")
-    report(f"\n== summary: {'; '.join(outcomes)}; {time.monotonic() - started:.0f} s in all")
-    print(f"written to {report.path.relative_to(ROOT)}")
-    sys.exit(any("FAILED" in o for o in outcomes))
+    python, check = sys.executable, str(Path(__file__).resolve())
+    own = ["--cache", str(args.cache), "--clients", str(clients), "--seconds", str(seconds),
+           "--rounds", str(args.rounds), "--max-batch-size", str(args.max_batch_size), "--switches", *args.switches,
+           *(["--cuda"] if cuda else []), *(["--expect-cuda"] if cuda_host else [])]
+    graph_rounds = ["--rounds", "1", "--seconds", "1" if args.quick else "2"]
+    argv = {"tests": [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--numprocesses",
+                      str(max(1, min(8, (os.cpu_count() or 2) // 2))), "--dist", "load", "tests/test_gpu.py",
+                      "tests/test_gpu_decode.py"],
+            "graphs": [python, "bench/gpu.py", "--parts", "graphs", "--models", *(GRAPH_MODELS if cuda else [MODEL]),
+                       "--batches", "256", "--cache", str(args.cache), *graph_rounds],
+            "decode": [python, "bench/gpu.py", "--parts", "decode", "--models", MODEL, "--cache", str(args.cache)],
+            "engines": [python, "bench/jpeg_engines.py", *(["--quick"] if args.quick else [])]}
+    argv |= {name: [python, check, "--run-part", name, *own] for name in ("service", "census", "profile")}
+    scale = args.budget / sum(BOXES[name] for name in args.parts)
+    parts = [Part(name, argv[name], BOXES[name] * scale) for name in BOXES if name in args.parts]
+    summary = args.out / f"{stem}-summary.txt"
+    outcomes = run_parts(report, summary, f"bench/gpu_check.py at {source} on {device()}, {now:%Y-%m-%d %H:%M} UTC; "
+                         f"{args.budget:.0f} s for {len(parts)} parts; the report: {stem}.txt", parts, alarms)
+    report(f"\n== summary ({time.monotonic() - began:.0f} s in all)\n" + summary.read_text().rstrip())
+    print(f"written to {report.path} and {summary}")
+    sys.exit(bool(alarms) or any(o.status != "ok" for o in outcomes))
 
 
 if __name__ == "__main__":

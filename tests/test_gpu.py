@@ -25,6 +25,48 @@ def cuda_works() -> bool:
 pytestmark = pytest.mark.skipif(not cuda_works(), reason="the CUDA provider does not start on this host")
 
 
+def test_every_route_answers_on_cuda_from_a_fresh_start():
+    """Main serving on CUDA at all (issue 77's first question): one start on the embedded repository, every
+    transformer and the expression CNN on CUDA (the int8 export stays on the CPU: its plan is CPU-only), and
+    /classify, /v2 infer, /expression, /attention-map (by a /classify id and by upload) and /embed each answering,
+    with the CPU graph's answers within the export gate's 1e-4 where a plain ORT session gives them."""
+    from service_process import direct_probabilities, model_pixels, run_graph
+    jpeg = photo_bytes("chelsea", "JPEG", quality=90)
+    with running_service() as url:
+        models = {m["name"]: m for m in httpx.get(f"{url}/models", timeout=10).json()["models"]}
+        assert {name for name, m in models.items() if m["provider"] != CUDA} == {"shapes-vit-int8"}, models
+        r = httpx.post(f"{url}/classify", files={"file": ("a.jpg", jpeg)},
+                       params={"model": "shapes-vit", "top_k": 6, "attention": "true"}, timeout=60)
+        assert r.status_code == 200, r.text
+        (result,) = r.json()["results"]
+        got = {p["index"]: p["score"] for p in result["predictions"]}
+        np.testing.assert_allclose([got[i] for i in range(6)], direct_probabilities(REPO / "shapes-vit", jpeg),
+                                   atol=1e-4)
+        pixels = model_pixels(REPO / "shapes-deit", jpeg)[None]
+        body = {"inputs": [{"name": "images", "shape": list(pixels.shape), "datatype": "UINT8",
+                            "data": pixels.ravel().tolist()}]}
+        v2 = httpx.post(f"{url}/v2/models/shapes-deit/infer", json=body, timeout=60)
+        assert v2.status_code == 200, v2.text
+        logits = next(o for o in v2.json()["outputs"] if o["name"] == "logits")
+        np.testing.assert_allclose(np.reshape(logits["data"], logits["shape"]),
+                                   run_graph(REPO / "shapes-deit" / "model.onnx", pixels)[0], atol=1e-4)
+        faces = httpx.post(f"{url}/expression", files={"file": ("a.jpg", photo_bytes("astronaut", "JPEG"))},
+                           timeout=60)
+        assert faces.status_code == 200 and [f["expression"] for f in faces.json()["faces"]] == ["happiness"]
+        by_id = httpx.get(f"{url}/attention-map", params={"id": result["id"]}, timeout=60)
+        by_upload = httpx.post(f"{url}/attention-map", files={"file": ("a.jpg", jpeg)},
+                               params={"model": "shapes-swin"}, timeout=60)
+        for drawn in (by_id, by_upload):
+            assert drawn.status_code == 200 and drawn.content.startswith(b"\x89PNG"), drawn.text[:200]
+        embedded = httpx.post(f"{url}/embed", files={"file": ("a.jpg", jpeg)},
+                              params={"model": "shapes-swin", "normalize": "false"}, timeout=60)
+        assert embedded.status_code == 200, embedded.text
+        names = [o["name"] for o in json.loads((REPO / "shapes-swin" / "manifest.json").read_text())["outputs"]]
+        want = run_graph(REPO / "shapes-swin" / "model.onnx", model_pixels(REPO / "shapes-swin", jpeg)[None])
+        np.testing.assert_allclose(embedded.json()["results"][0]["embedding"], want[names.index("embeddings")][0],
+                                   atol=1e-4)
+
+
 @pytest.mark.parametrize("tf32,tolerance", [(False, 1e-4), (True, 1e-2)])
 def test_cuda_runner_with_iobinding_matches_the_cpu(tf32, tolerance):
     """Without TF32 (the service's default: VITSERVE_CUDA_TF32) fp32 on CUDA gives the CPU's answers within the
@@ -123,6 +165,7 @@ def test_fp16_exports_pass_their_gate_on_cuda(tmp_path, name):
 def test_an_embedding_folders_fp16_export_passes_its_gate_on_cuda_and_embeds_as_its_fp32_graph(tmp_path):
     """A Hugging Face DINOv2 folder (tests/test_hf_embeddings.py's tiny one) in fp16: gated by the turn of its
     embeddings on CUDA, served for its base name, and /embed's vector that of the fp32 graph on the CPU."""
+    pytest.importorskip("transformers", reason="the folder is made by transformers (a test dependency)")
     from test_hf_embeddings import cosine, embed, save_folder
 
     from export.parity import MIN_EMBEDDING_COSINE

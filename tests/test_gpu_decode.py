@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -214,24 +215,32 @@ def test_jpegs_decoded_with_their_batch_give_the_cpu_paths_answers_and_a_bad_one
 
 
 class HeldDecoder(CountingDecoder):
-    """A GPU decoder that decodes nothing until `go` is set: its queue grows meanwhile. `entered`: a batch waits."""
+    """A GPU decoder that decodes nothing until `go` is set: its queue grows meanwhile. `entered`: batches waiting."""
 
     def __init__(self, policy: InputPolicy):
         super().__init__(policy)
-        self.entered, self.go = threading.Event(), threading.Event()
+        self.entered, self.go = 0, threading.Event()
 
     def decode(self, jpegs, fallback):
         if hasattr(self, "go"):  # not the start-up probe
-            self.entered.set()
-            self.go.wait(60)
+            self.entered += 1
+            assert self.go.wait(60), "the test never let the decoder go"
         return super().decode(jpegs, fallback)
 
 
+async def until(condition, what: str, timeout_s: float = 60) -> None:
+    """Until `condition()` holds, a few turns of this event loop away (a liveness bound, not a measurement)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        await asyncio.sleep(0.005)
+
+
 def test_the_gpu_takes_jpegs_while_its_queue_has_room_and_the_cpu_decodes_the_rest():
-    """The decode router: room for 2 JPEGs (1 batch of 2 per inference thread, one thread on the CPU). A first JPEG
-    runs (its decode held), two more queue for the decoder, and the fourth, with the queue full, is decoded on the
-    CPU and queued as an image. Once the decoder moves, all four are answered as the CPU path answers them, and
-    /metrics counts three uploads decoded on the GPU and one on the CPU."""
+    """The decode router: room for 1 batch of 2 JPEGs per inference thread (one thread on the CPU, two on CUDA).
+    A first JPEG per thread runs (its decode held), the room's worth queue for the decoder one by one, and the next,
+    with the queue full, is decoded on the CPU and queued as an image. Once the decoder moves, all are answered as
+    the CPU path answers them, and /metrics counts every upload but the last decoded on the GPU."""
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
     want = run_graph(REPO / "shapes-vit" / "model.onnx", model_pixels(REPO / "shapes-vit", jpeg)[None])[0][0]
 
@@ -240,22 +249,23 @@ def test_the_gpu_takes_jpegs_while_its_queue_has_room_and_the_cpu_decodes_the_re
                                Metrics())
         await backend.start()
         await backend.loaded()
+        threads = backend.concurrency
         vit = next(e for e in backend.entries if e.name == "shapes-vit")
         decoder = HeldDecoder(vit.policy)
         backend.models.use_jpeg_decoder("shapes-vit", decoder)
         metrics = Metrics()
-        loop, answers = asyncio.get_running_loop(), []
+        answers = []
         try:
             with ThreadPoolExecutor(2) as pool:
                 pipeline = Pipeline(vit, backend, pool, backend.settings, metrics)
-                answers.append(asyncio.create_task(pipeline.images([jpeg])))
-                assert await loop.run_in_executor(None, decoder.entered.wait, 60)  # running, held
+                for _ in range(threads):
+                    answers.append(asyncio.create_task(pipeline.images([jpeg])))
+                await until(lambda: decoder.entered == threads, "a held batch on every inference thread")
                 rooms = []
-                for depth in (1, 2, 3):  # each queued before the next comes
+                for depth in range(1, 2 * threads + 2):  # each queued before the next comes
                     rooms.append(backend.gpu_room("shapes-vit"))
                     answers.append(asyncio.create_task(pipeline.images([jpeg])))
-                    while backend.batchers["shapes-vit"].depth < depth:
-                        await asyncio.sleep(0.005)
+                    await until(lambda: backend.batchers["shapes-vit"].depth >= depth, f"{depth} queued")
                     # the batcher tells the board its room once the turn that queued it is over
                     # (Batcher._tell_depth): read it after that turn (failed by chance without: [2, 2, 0])
                     await asyncio.sleep(0)
@@ -267,10 +277,11 @@ def test_the_gpu_takes_jpegs_while_its_queue_has_room_and_the_cpu_decodes_the_re
         decoded = {where: metrics.registry.get_sample_value("vitserve_images_decoded_total",
                                                             {"model": "shapes-vit", "where": where})
                    for where in ("gpu", "cpu")}
-        return rooms, decoder.calls, done, decoded
+        return threads, rooms, decoder.calls, done, decoded
 
-    rooms, calls, done, decoded = asyncio.run(main())
-    assert rooms == [2, 1, 0] and calls == [1, 2] and decoded == {"gpu": 3, "cpu": 1}
+    threads, rooms, calls, done, decoded = asyncio.run(main())
+    assert rooms == list(range(2 * threads, -1, -1)) and decoded == {"gpu": 3 * threads, "cpu": 1}
+    assert calls[:threads] == [1] * threads and sorted(calls[threads:]) == [2] * threads
     for out in done:
         np.testing.assert_allclose(out.fields["logits"][0], want, atol=0.5)
 
@@ -301,8 +312,9 @@ def test_jpeg_bytes_cross_to_the_inference_process_beside_their_records(tmp_path
                 await asyncio.sleep(0.01)
             else:
                 pytest.fail("the decoder's status never reached the worker")
-            # the decode router's reading, from the inference process's shared memory: 2 batches of 16, one thread
-            assert worker.gpu_room("shapes-deit") == 2 * 16
+            # the decode router's reading, from the inference process's shared memory: 2 batches of 16 per inference
+            # thread (one on the CPU, two on CUDA)
+            assert worker.gpu_room("shapes-deit") == 2 * 16 * server.backend.concurrency
             logits, broken = await asyncio.gather(run(worker, [jpeg, jpeg]), run(worker, [jpeg[:2000]]),
                                                   return_exceptions=True)
             return logits, broken, decoder.calls
@@ -518,12 +530,13 @@ def test_a_graph_loaded_after_start_up_decodes_on_the_cpu_and_models_says_why(ba
                                                     "loaded later")
     assert (later["shapes-vit"]["decode"], later["shapes-vit"]["decode_reason"]) == ("gpu", None)
     # the start-up graph's JPEG went to its decoder, one batch; no decoder was made for the late graph, whose
-    # JPEG gave the CPU path's answers to 1e-5 (a full-size decode and resize on the "GPU" moves them by tenths)
+    # JPEG gave the CPU path's answers within the export gate's 1e-4: on a GPU host the graph runs on CUDA in fp32
+    # (test_gpu.py's bound for the same); a full-size decode and resize on the "GPU" would move them by tenths
     assert deit.status_code == 200 and vit.status_code == 200, (deit.text, vit.text)
     assert list(decoders) == ["shapes-vit"] and decoders["shapes-vit"].calls == [1]
     got = {p["index"]: p["score"] for p in deit.json()["results"][0]["predictions"]}
     np.testing.assert_allclose([got[i] for i in range(6)], direct_probabilities(REPO / "shapes-deit", jpeg),
-                               atol=1e-5)
+                               atol=1e-4)
 
 
 @asynccontextmanager

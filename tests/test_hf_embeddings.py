@@ -18,7 +18,6 @@ import onnxruntime as ort
 import pytest
 import torch
 import transformers
-import tritonclient.http as triton
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from service_process import photo_bytes, running_service
@@ -318,6 +317,7 @@ def test_the_folders_are_served_on_embed_as_transformers_embeds_the_jpeg(embeddi
         listed = {m["name"]: m for m in httpx.get(f"{url}/models", timeout=10).json()["models"]}
         assert listed["dinov2-registers"]["task"] == "embedding" and listed["dinov2-registers"]["labels"] == []
         assert listed["clip-projection"]["embedding"]["size"] == 16
+        import tritonclient.http as triton  # here, not at the top: tests/test_gpu.py imports this file on a GPU host
         client = triton.InferenceServerClient(url=url.removeprefix("http://"))  # the processor's tensor over /v2
         pixel_values = processor_pixels(folders["clip-projection"], photos)
         tensor = triton.InferInput("pixel_values", list(pixel_values.shape), "FP32")
