@@ -464,7 +464,8 @@ class Outcome:
 def run_part(report: Callable[[str], None], part: Part, alarms: list[str]) -> Outcome:
     """The part's command in the project root, its output into the report line by line (its ALARM lines kept in
     `alarms` too), killed at its box with every process it started (a test's service, torch.compile's workers)."""
-    report(f"\n== {part.name} (box {part.box_s:.0f} s)\n$ {shlex.join(part.argv)}")
+    report(f"\n== {part.name} (box {part.box_s:.0f} s)")
+    report(f"$ {shlex.join(part.argv)}")
     start = time.monotonic()
     proc = subprocess.Popen(part.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)

@@ -647,6 +647,33 @@ def test_the_serving_plan_is_decided_once_from_the_device():
     assert "CUDA only" in on_cpu["deit-fp16"].error and on_cpu["vit-int8"].error is None
 
 
+def test_an_fp16_sibling_batches_as_the_fp32_manifest_says_where_its_own_says_nothing(tmp_path, monkeypatch):
+    """On CUDA the fp16 sibling's graph serves the fp32 model (serving_plan): a `batching` set in the fp32 manifest,
+    the one a user edits, is that graph's, and what the sibling's own manifest sets wins. On the CPU, with the
+    device chosen made CUDA's (the sibling, a copy of the fp32 graph, runs there)."""
+    from service.core.settings import Settings
+    from service.engine.backends import local
+    from service_process import write_model
+    write_model(tmp_path / "shapes-deit", REPO / "shapes-deit", "shapes-deit",
+                batching={"max_batch_size": 4, "queue_limit": 12})
+    write_model(tmp_path / "shapes-deit-fp16", REPO / "shapes-deit", "shapes-deit-fp16", precision="fp16",
+                batching={"queue_limit": 20})
+    monkeypatch.setattr(local, "choose_device", lambda entries, providers: CUDA)
+
+    async def main() -> tuple[str, BatchingPolicy]:
+        settings = Settings(model_repository=tmp_path, warmup_runs=0, max_batch_size=16, queue_limit=64)
+        backend = local.LocalBackend(settings, Metrics())
+        await backend.start()
+        await backend.loaded()
+        try:
+            return backend.models.plans["shapes-deit"].graph, backend.batchers["shapes-deit-fp16"].policy
+        finally:
+            await backend.close()
+
+    graph, policy = asyncio.run(main())
+    assert graph == "shapes-deit-fp16" and (policy.max_batch_size, policy.queue_limit) == (4, 20)
+
+
 def test_cuda_graphs_come_in_powers_of_two_and_leave_the_cpu_alone():
     assert graph_batches(8) == [1, 2, 4, 8] and graph_batches(6) == [1, 2, 4] and graph_batches(0) == []
     runner = Runner(REPO / "shapes-vit" / "model.onnx", ("images", "pixel_values"), [CPU], cuda_graph_max_batch=8)

@@ -72,10 +72,11 @@ class BatchingPolicy:
     aging_s: float = 0.2  # an image that has waited this long is taken as a first-level one (urgency.py)
 
     @classmethod
-    def of(cls, settings: Settings, entry: ModelEntry) -> "BatchingPolicy":
+    def of(cls, settings: Settings, entry: ModelEntry, model: ModelEntry | None = None) -> "BatchingPolicy":
         """The server's (VITSERVE_MAX_BATCH_SIZE, _MAX_QUEUE_DELAY_MS, _QUEUE_LIMIT, _PRIORITY_AGING_MS), each where
-        the model's manifest does not set its own (its `batching`)."""
-        own = entry.manifest.get("batching", {})
+        the graph's manifest does not set its own (its `batching`), nor the manifest of the model it runs for
+        (`model`: the fp32 model whose fp16 sibling serves it on CUDA; its manifest is the one a user edits)."""
+        own = (model.manifest.get("batching", {}) if model else {}) | entry.manifest.get("batching", {})
         return cls(own.get("max_batch_size", settings.max_batch_size),
                    own.get("max_queue_delay_ms", settings.max_queue_delay_ms) / 1000,
                    own.get("queue_limit", settings.queue_limit), settings.priority_aging_ms / 1000)

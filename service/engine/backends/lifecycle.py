@@ -151,8 +151,7 @@ class ModelLifecycle:
             if runner.provider == CUDA and self.settings.gpu_decode:
                 from service.images.gpu_decode import gpu_decoder  # CuPy and nvImageCodec stay unimported on a CPU host
                 decoder, reason = await loop.run_in_executor(
-                    threads, gpu_decoder, self.by_key[graph].policy, graph,
-                    BatchingPolicy.of(self.settings, self.by_key[graph]).max_batch_size)
+                    threads, gpu_decoder, self.by_key[graph].policy, graph, self.batching(graph).max_batch_size)
                 if decoder is not None:
                     self.use_jpeg_decoder(graph, decoder)
                 else:
@@ -161,9 +160,15 @@ class ModelLifecycle:
             for name in names[graph]:
                 self._ready(name, runner.provider)
 
+    def batching(self, graph: str, entry: ModelEntry | None = None) -> BatchingPolicy:
+        """How the graph's batches are made (BatchingPolicy.of): `entry` (the graph's, by default the one serving
+        now), with the model it runs for where that is another (an fp16 sibling's fp32 model)."""
+        model = next((self.by_key[p.name] for p in self.plans.values() if p.graph == graph and p.name != graph), None)
+        return BatchingPolicy.of(self.settings, entry or self.by_key[graph], model)
+
     def _open(self, entry: ModelEntry, plan: Plan) -> tuple[Runner | OpenVinoRunner, Choice | None]:
         """The graph's runner, warmed up; on the CPU, in the plan of its export's that cpu_plans chose (with how)."""
-        settings, batches = self.settings, sorted({1, BatchingPolicy.of(self.settings, entry).max_batch_size})
+        settings, batches = self.settings, sorted({1, self.batching(plan.graph, entry).max_batch_size})
         chosen = None
         if plan.provider == CPU:
             chosen = choose(entry, input_names(entry), batches, settings.cpu_plan, settings.intra_op_threads,

@@ -25,7 +25,7 @@ from service.core.urgency import request_priority
 from service.explain.cache import AttentionCache, AttentionResult
 from service.images.decode import upload_input
 
-from ..batching import Batcher, BatchingPolicy, QueueFull
+from ..batching import Batcher, QueueFull
 from ..cpu_plans import CpuPlan, open_runner
 from ..openvino_runtime import OpenVinoRunner
 from ..heads import head
@@ -89,7 +89,7 @@ class LocalBackend:
 
     # -- the graphs' batching (lifecycle.Graphs) ----------------------------------------------------------
     def serve_graph(self, graph: str) -> None:
-        policy = BatchingPolicy.of(self.settings, self.models.by_key[graph])
+        policy = self.models.batching(graph)
         models = [i for i, e in enumerate(self.entries) if self.models.plans[e.key].graph == graph]  # (board index)
         self.batchers[graph] = Batcher(graph, self._run_batch(graph), self.inference, self.metrics, policy,
                                        self.concurrency, partial(self.boards.coming, models),
@@ -98,7 +98,7 @@ class LocalBackend:
         self.batchers[graph].start()
 
     def rebatch_graph(self, graph: str) -> None:
-        self.batchers[graph].policy = BatchingPolicy.of(self.settings, self.models.by_key[graph])
+        self.batchers[graph].policy = self.models.batching(graph)
 
     def _tell_jpeg_room(self, graph: str, models: list[int]) -> None:
         """The room in the graph's GPU decoder queue (VITSERVE_GPU_DECODE_QUEUE_BATCHES batches per inference

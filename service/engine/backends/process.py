@@ -294,7 +294,7 @@ class ProcessBackend:
         if (model, kind) not in self._arenas:
             entry = next(e for e in self.entries if e.key == model)
             # a worker never needs more slots than the whole queue may hold, plus one request being decoded
-            queue = BatchingPolicy.of(self.settings, graph_entry(self.entries, self._status, model)).queue_limit
+            queue = BatchingPolicy.of(self.settings, graph_entry(self.entries, self._status, model), entry).queue_limit
             slots = queue + self.settings.max_files
             path = self.socket_path.parent / f"arena-{self._tag}-{model}-{kind}"
             self._arenas[model, kind] = Arena(path, record_dtype(entry, kind), slots)
