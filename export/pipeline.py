@@ -220,6 +220,13 @@ def _gated(report: dict) -> str:
             "spread")
 
 
+def _largest_diff(parity: dict) -> str:
+    """What a float graph's gate (parity.check_fp32) saw at most: of the logits, or an embedding model's
+    embeddings (it has no logits)."""
+    output = "logits" if "logits_max_abs_diff" in parity else "embeddings"
+    return f"{output} max |diff| {parity[f'{output}_max_abs_diff']:.2e}"
+
+
 def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progress) -> tuple[object, dict, dict]:
     """Export, prove the attention fused, gate against PyTorch (and the reduced precision against fp32)."""
     main = MainGraph(model)
@@ -231,11 +238,8 @@ def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progr
     log(f"{fused_attention_count(counts)} fused attention ops, none unfused")
     fp32 = session_for(fp32_path, ["CPUExecutionProvider"])
     parity = check_fp32(fp32, main, inputs)
-    if "logits_max_abs_diff" in parity:
-        log(f"parity vs PyTorch: logits max |diff| {parity['logits_max_abs_diff']:.2e}, "
-            f"top-1 agreement {parity['top1_agreement']:.3f}")
-    else:
-        log(f"parity vs PyTorch: embeddings max |diff| {parity['embeddings_max_abs_diff']:.2e}")
+    log(f"parity vs PyTorch: {_largest_diff(parity)}"
+        + (f", top-1 agreement {parity['top1_agreement']:.3f}" if "top1_agreement" in parity else ""))
     if precision in ("fp32", "auto"):
         return proto, counts, parity
     reports, source, fusions = {"fp32": parity}, fp32_path, {}
@@ -245,7 +249,7 @@ def _main_graph(model: nn.Module, precision: str, work: Path, inputs, log: Progr
         save_graph(graph, source)
         reports["fused_fp32"] = check_fp32(session_for(source, ["CPUExecutionProvider"]), main, inputs)
         log(f"fused for ONNX Runtime's CUDA kernels ({', '.join(f'{n} {k}' for k, n in fusions.items())}): "
-            f"logits max |diff| {reports['fused_fp32']['logits_max_abs_diff']:.2e}")
+            f"{_largest_diff(reports['fused_fp32'])}")
     log(f"converting to {precision}")
     proto = CONVERTERS[precision](source, work / "model.onnx")
     counts = _check_fusion(proto, model, fusions.get("masked attention as MatMuls", 0))

@@ -258,9 +258,9 @@ def test_the_gpu_takes_jpegs_while_its_queue_has_room_and_the_cpu_decodes_the_re
         try:
             with ThreadPoolExecutor(2) as pool:
                 pipeline = Pipeline(vit, backend, pool, backend.settings, metrics)
-                for _ in range(threads):
+                for held in range(1, threads + 1):  # one at a time: two queued in one turn would be one batch
                     answers.append(asyncio.create_task(pipeline.images([jpeg])))
-                await until(lambda: decoder.entered == threads, "a held batch on every inference thread")
+                    await until(lambda: decoder.entered == held, f"{held} held batches, one per inference thread")
                 rooms = []
                 for depth in range(1, 2 * threads + 2):  # each queued before the next comes
                     rooms.append(backend.gpu_room("shapes-vit"))

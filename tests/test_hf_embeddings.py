@@ -155,6 +155,16 @@ def manifest(repo: Path, name: str) -> dict:
     return json.loads((repo / name / "manifest.json").read_text())
 
 
+def test_an_embedding_folders_fp16_export_is_gated_by_its_embeddings_where_it_runs(tmp_path):
+    """An embedding model has no logits: its fused fp32 graph and its fp16 graph are gated by their embeddings, here
+    on the CPU (tests/test_gpu.py runs the same on CUDA, where this export first failed, on the missing logits)."""
+    save_folder(tmp_path / "dinov2", "dinov2")
+    export_main([str(tmp_path / "dinov2"), "--precision", "fp16", "--out", str(tmp_path), "--no-explain"])
+    parity = manifest(tmp_path, "dinov2-fp16")["parity"]
+    assert parity["fused_fp32"]["embeddings_max_abs_diff"] < ATOL and "logits_max_abs_diff" not in parity["fused_fp32"]
+    assert parity["fp16"]["embeddings_min_cosine"] >= MIN_EMBEDDING_COSINE, parity["fp16"]
+
+
 @pytest.mark.parametrize("name", FOLDERS)
 def test_a_base_folder_is_exported_as_an_embedding_model(embedding_repo, name):
     repo, _ = embedding_repo
