@@ -31,10 +31,12 @@ $(VENV)/.serving-$(RUNTIME): pyproject.toml requirements.lock
 
 install: $(VENV)/.installed-$(RUNTIME)
 
-# The test files spread over every core, each file in one worker (its module fixtures built once): on 2 cores the
-# suite takes 0.63x the time of one worker (docs/development.md#tests). TEST_WORKERS=0 runs it in this process.
+# ruff first (pyproject's [tool.ruff]); then the test files spread over every core, each file in one worker (its
+# module fixtures built once): on 2 cores the suite takes 0.63x the time of one worker (docs/development.md#tests).
+# TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= $(shell nproc)
 test: install perf-analyzer
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --numprocesses $(TEST_WORKERS) --dist loadfile
 
 # Triton's perf_analyzer (tritonclient 2.40.0's binary) in build/perf_analyzer/, for tests/test_perf_analyzer.py and

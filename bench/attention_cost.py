@@ -71,7 +71,8 @@ def http_costs(model: str, rounds: int) -> None:
     with running_service() as url, httpx.Client(base_url=url, timeout=60) as client:
         for batch in (1, 16):
             files = [("files", (f"{i}.jpg", jpeg)) for i in range(batch)]
-            post = lambda attention: client.post("/classify", files=files, params={"model": model, "attention": attention})  # noqa: E731
+            post = lambda attention: client.post("/classify", files=files,  # noqa: E731
+                                                 params={"model": model, "attention": attention})
             med = alternate({"off": lambda: post("false"), "on": lambda: post("true")}, rounds)
             print(f"/classify {model} batch {batch:>2}: attention=false {med['off'] * 1e3:7.1f} ms, "
                   f"attention=true {med['on'] * 1e3:7.1f} ms, ratio {med['on'] / med['off']:.3f}")

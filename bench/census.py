@@ -148,7 +148,8 @@ def report(before: Snapshot, after: Snapshot, images: float, top: int = 12) -> l
         cpu = sum(t.user + t.system for t in group)
         return (f"{label:<34} {count:>9} {_cores(cpu, seconds):>6.2f} {cpu / TICKS / per_image * 1e3:>7.3f} "
                 f"{sum(t.system for t in group) / max(cpu, 1):>5.0%} {sum(t.faults for t in group) / per_image:>8.1f}"
-                f" {sum(t.switches for t in group) / seconds:>9,.0f} {sum(t.preempted for t in group) / seconds:>9,.0f}")
+                f" {sum(t.switches for t in group) / seconds:>9,.0f}"
+                f" {sum(t.preempted for t in group) / seconds:>9,.0f}")
 
     lines.append(f"{'role / thread kind':<34} {'threads':>9} {'cores':>6} {'ms/img':>7} {'sys':>5} {'flt/img':>8} "
                  f"{'waits/s':>9} {'preempt/s':>9}")

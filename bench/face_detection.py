@@ -1,5 +1,5 @@
-"""Face detection: MTCNN (the service's detector, service/pipeline/faces.py) against OpenCV's Haar cascade, the detector it
-replaced, on the same real-photograph scenes (tests/face_scenes.py):
+"""Face detection: MTCNN (the service's detector, service/pipeline/faces.py) against OpenCV's Haar cascade, the detector
+it replaced, on the same real-photograph scenes (tests/face_scenes.py):
 
   - the astronaut: the box's IoU with Haar's, and whether the landmarks lie inside it;
   - scikit-image's lfw_subset: each 25 x 25 crop upscaled to 100 pixels, and to 40 (near the smallest face

@@ -76,7 +76,8 @@ def cpu_reader(backend: str, pid: int) -> Callable[[], tuple[float, float]]:
     return lambda: (cpu_seconds(pid)[1], 0.0)
 
 
-def measure(url: str, read: Callable[[], tuple[float, float]], request: wrk.Request, clients: int, seconds: float) -> dict[str, float]:
+def measure(url: str, read: Callable[[], tuple[float, float]], request: wrk.Request, clients: int,
+            seconds: float) -> dict[str, float]:
     before = read()
     figures = wrk.run(url, request, clients, seconds)
     after = read()

@@ -213,7 +213,8 @@ def http(repo: Path, args: argparse.Namespace, ceilings: dict[tuple[int, int], f
         if route == "classify":
             gpu_worker = max(worker - decode_ms, 1e-3)
             print(f"{'  with GPU decoding':<45} | {gpu_worker:>6.3f} {'':>8} {'':>15} {'':>10} | "
-                  f"{1e3 / gpu_worker:>17,.0f} | " + " ".join(projection(c, gpu_worker, ceiling_ms) for c in args.cores))
+                  f"{1e3 / gpu_worker:>17,.0f} | "
+                  + " ".join(projection(c, gpu_worker, ceiling_ms) for c in args.cores))
     if not ceilings:
         print("(the inference process's ceiling was not measured: the projections count the workers alone)")
 

@@ -322,7 +322,8 @@ def _resize(spec) -> dict:
 
 def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, proto, counts: dict,
               parity: dict, files: dict, explain_outputs: list[str]) -> dict:
-    spec, attention, embedding = model.spec, _attention_section(model, explain_outputs), _embedding_section(model, proto)
+    spec = model.spec
+    attention, embedding = _attention_section(model, explain_outputs), _embedding_section(model, proto)
     family = "swin" if isinstance(model, SwinTransformer) else "vit" if isinstance(model, VisionTransformer) else "cnn"
     in_graph = "cut into patches from NHWC, cast to float32, (x / 255 - mean) / std" if has_attention(model) else \
         "NHWC to NCHW, cast to float32, (x / 255 - mean) / std, then grey: 0.299 R + 0.587 G + 0.114 B"

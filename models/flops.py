@@ -27,7 +27,8 @@ def mlp_macs(tokens: int, dim: int, hidden: int) -> int:
 
 def _patch_embed_macs(model: nn.Module) -> int:
     proj = model.patch_embed.proj
-    return model.patch_embed.num_patches * proj.in_channels * proj.kernel_size[0] * proj.kernel_size[1] * proj.out_channels
+    kernel = proj.kernel_size[0] * proj.kernel_size[1]
+    return model.patch_embed.num_patches * proj.in_channels * kernel * proj.out_channels
 
 
 def _vit_macs(model: VisionTransformer) -> int:

@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, required=True, help="ImageFolder: DIR/train|val/<label>/ or DIR/<label>/")
     p.add_argument("--out", type=Path, help="output folder (default runs/MODEL)")
     p.add_argument("--weights", type=Path, help="initial weights (.pth/.pt/.safetensors, timm or official layout)")
-    p.add_argument("--replace-head", action="store_true", help="start a new classifier when --weights has other classes")
+    p.add_argument("--replace-head", action="store_true",
+                   help="start a new classifier when --weights has other classes")
     p.add_argument("--img-size", type=int, help="input size (default: the model's)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=64)
@@ -269,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
         summary = train(args)
     except (DataError, WeightsError, KeyError) as e:
         sys.exit(f"error: {e.args[0] if isinstance(e, KeyError) else e}")
-    print(f"held-out accuracy {summary['val_accuracy']:.4f}; weights in {args.out / 'model.safetensors'}", file=sys.stderr)
+    print(f"held-out accuracy {summary['val_accuracy']:.4f}; weights in {args.out / 'model.safetensors'}",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,8 @@ def sha256(path: Path) -> str:
 
 def verify_file(entry: ModelEntry, file: str) -> Path:
     """The path of one of the entry's graphs, after checking it is there and its sha256 matches."""
+    if file not in entry.manifest["files"]:
+        raise RepositoryError(f"{entry.location}: its manifest names a graph {file!r} that its files do not list")
     path, expected = entry.path(file), entry.manifest["files"][file]["sha256"]
     if not path.is_file():
         raise RepositoryError(f"{entry.location}: {path.name} is missing")

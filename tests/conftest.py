@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -12,6 +15,10 @@ os.environ["VITSERVE_GRPC_PORT"] = "0"
 # Every server a test starts, in its process or in another, runs each model's first CPU plan without measuring the
 # others (the quickest start: measuring them costs each start seconds); tests/test_cpu_plans.py measures and pins
 os.environ.setdefault("VITSERVE_CPU_PLAN", "first")
+# and keeps what a test's auto measures in this test process's own folder, never in the user's cache
+if "VITSERVE_CPU_PLAN_DIR" not in os.environ:
+    os.environ["VITSERVE_CPU_PLAN_DIR"] = tempfile.mkdtemp(prefix="vitserve-cpu-plans-")
+    atexit.register(shutil.rmtree, os.environ["VITSERVE_CPU_PLAN_DIR"], True)
 
 # The slowest files first (in that order: seconds in one worker, `--durations` of 2026-12-02, export 134 s down to
 # hf_embeddings 24 s), then the rest as collected: `make test`'s workers take whole files (--dist loadfile), and a

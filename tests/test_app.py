@@ -99,20 +99,23 @@ async def argmax(request: Request, model: str) -> dict:
 
 def test_a_new_task_is_a_head_and_a_route_and_nothing_else(tmp_path, monkeypatch):
     """A model exported with a task of its own ("argmax"): its head registered and its route added, nothing else
-    of the service changed, and it serves; /classify takes it for what it is (a 400 naming its task)."""
+    of the service changed, and it serves; /classify and /expression take it for what it is (a 400 naming its
+    task), and /attention-map draws its map without a prediction."""
     write_model(tmp_path / "shapes-argmax", REPO / "shapes-vit", "shapes-argmax", task="argmax")
     write_model(tmp_path / "shapes-vit", REPO / "shapes-vit", "shapes-vit")
     monkeypatch.setitem(HEADS, "argmax", Argmax.of)
     settings = Settings(model_repository=tmp_path, warmup_runs=0)
     app = create_app(settings, LocalBackend(settings, Metrics()), metrics=Metrics())
     app.include_router(argmax_route)
-    best, elsewhere = asyncio.run(call(app, [
-        ("POST", "/argmax", {"files": {"file": ("a.jpg", JPEG)}, "params": {"model": "shapes-argmax"}}),
-        ("POST", "/expression", {"files": {"file": ("a.jpg", JPEG)}, "params": {"model": "shapes-argmax"}})]))
+    upload = {"files": {"file": ("a.jpg", JPEG)}, "params": {"model": "shapes-argmax"}}
+    best, classified, faces, drawn = asyncio.run(call(app, [
+        ("POST", path, upload) for path in ("/argmax", "/classify", "/expression", "/attention-map")]))
     labels = json.loads((REPO / "shapes-vit" / "manifest.json").read_text())["labels"]
     assert best.status_code == 200, best.text
     assert best.json() == {"label": labels[int(np.argmax(direct_probabilities(REPO / "shapes-vit", JPEG)))]}
-    assert elsewhere.status_code == 400 and "of task argmax" in elsewhere.json()["error"]["message"]
+    assert classified.status_code == 400 and classified.json()["error"]["code"] == "no_classifier", classified.text
+    assert faces.status_code == 400 and "of task argmax" in faces.json()["error"]["message"]
+    assert drawn.status_code == 200 and drawn.content.startswith(b"\x89PNG") and "x-prediction" not in drawn.headers
 
 
 class Misbehaving:

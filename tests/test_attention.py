@@ -181,13 +181,15 @@ def test_map_png_covers_the_upload_at_its_own_size_and_json_has_the_grid(url):
 
 def test_post_attention_map_for_swin_and_clear_errors(url):
     png = photo_bytes("astronaut", "PNG")
-    r = httpx.post(f"{url}/attention-map", files={"file": ("a.png", png)}, params={"model": "shapes-swin", "format": "json"})
+    r = httpx.post(f"{url}/attention-map", files={"file": ("a.png", png)},
+                   params={"model": "shapes-swin", "format": "json"})
     assert r.status_code == 200 and r.json()["grid_size"] == [6, 6] and r.json()["token"] is None
     assert r.json()["prediction"]["label"] in manifest("shapes-swin")["labels"]
     errors = [
         (httpx.post(f"{url}/attention-map", files={"file": ("a.png", png)},
                     params={"model": "shapes-swin", "method": "rollout"}), 400, "rollout_unavailable"),
-        (httpx.post(f"{url}/attention-map", files={"file": ("a.png", png)}, params={"model": "shapes-vit", "token": "dist"}),
+        (httpx.post(f"{url}/attention-map", files={"file": ("a.png", png)},
+                    params={"model": "shapes-vit", "token": "dist"}),
          400, "bad_token"),
         (httpx.post(f"{url}/attention-map", files={"file": ("a.png", png)}, params={"head": "9"}), 400, "bad_head"),
         (httpx.post(f"{url}/attention-map", files={"file": ("a.png", png)}, params={"colormap": "rainbow"}),

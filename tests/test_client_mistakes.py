@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import test_avif_header as isobmff
 import tritonclient.http as triton_http
 from face_scenes import astronaut_five_times
 from PIL import Image
@@ -296,7 +297,11 @@ BOMBS = {"HEIC declaring 60000 x 60000": declaring(CHELSEA_HEIC, 60000, 60000),
          "4000 x 4000 HEIC declaring 64 x 64": declaring(HEIC_16MP, 64, 64),
          "12000 x 12000 AVIF": AVIF_144MP,
          "12000 x 12000 AVIF declaring 64 x 64": declaring(AVIF_144MP, 64, 64),
-         "12000 x 12000 AVIF declaring 7000 x 7000": declaring(AVIF_144MP, 7000, 7000)}
+         "12000 x 12000 AVIF declaring 7000 x 7000": declaring(AVIF_144MP, 7000, 7000),
+         # issue 73: 1,000 other items, each read to the end of the file (1.5 GB) before the bomb was found
+         "12000 x 12000 AVIF declaring 512 x 512 among 1,000 items over 1.5 MB":
+             isobmff.avif([isobmff.bomb().item(1), *(isobmff.Item(id, extents=((0, 0),)) for id in range(2, 1002))],
+                          padding=1_500_000)}
 
 
 def post(url: str, route: str, files: list[tuple[str, bytes]], field: str = "file", **params) -> httpx.Response:

@@ -1,7 +1,7 @@
-"""The demo page at / in a real browser (headless Debian Chromium, driven by Playwright) against a real server:
-a photograph's predictions and attention overlay, a held-out shape's nearest sample shapes, a face box where the astronaut's face is, and a readable
-error for a non-image. Skips with the reason where Chromium or Playwright is missing (.ci/run installs
-Chromium; the `test` extra, Playwright). Saves build/demo-page.png, the README's picture."""
+"""The demo page at / in a real browser (headless Debian Chromium, driven by Playwright) against a real server: a
+photograph's predictions and attention overlay, a held-out shape's nearest sample shapes, a face box where the
+astronaut's face is, and a readable error for a non-image. Skips with the reason where Chromium or Playwright is missing
+(.ci/run installs Chromium; the `test` extra, Playwright). Saves build/demo-page.png, the README's picture."""
 import io
 import shutil
 

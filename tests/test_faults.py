@@ -46,7 +46,9 @@ def url(tmp_path_factory):
     fragile(ROOT / "model_repository" / "shapes-vit", repo / "shapes-vit-fragile")
     (repo / "notes").mkdir()  # a stray folder: listed with why
     (repo / ".cache").mkdir()  # a hidden one: not a candidate
-    with running_service(model_repository=repo, warmup_runs=0, max_queue_delay_ms=200) as base:
+    # readiness relaxed to "one serves" (strict, the default, says not ready here: tests/test_readiness.py)
+    with running_service(model_repository=repo, warmup_runs=0, max_queue_delay_ms=200,
+                         strict_readiness="false") as base:
         yield base
 
 
@@ -70,7 +72,7 @@ def test_requests_for_a_failed_model_get_a_clear_error_not_a_crash(url):
         r = httpx.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)}, params={"model": name}, timeout=30)
         assert r.status_code == status and r.json()["error"]["message"], r.text
     assert httpx.get(f"{url}/health/live", timeout=10).status_code == 200
-    # readiness: every model loaded or failed, and at least one serving
+    # relaxed readiness: every model loaded or failed, and at least one serving
     assert httpx.get(f"{url}/health/ready", timeout=10).status_code == 200
 
 

@@ -452,8 +452,8 @@ def test_where_cuda_serves_and_gpu_decoding_does_not_start_models_says_why(backe
 
     opened = ModelLifecycle._open
 
-    def on_cuda(self, entry, plan):
-        runner, chosen = opened(self, entry, plan)
+    def on_cuda(self, entry, plan, *serving):
+        runner, chosen = opened(self, entry, plan, *serving)
         runner.provider = CUDA if entry.name != "shapes-vit-int8" else runner.provider  # int8 runs on the CPU
         return runner, chosen
 
@@ -486,8 +486,8 @@ def test_a_graph_loaded_after_start_up_decodes_on_the_cpu_and_models_says_why(ba
     it. On a GPU host, tests/test_gpu.py runs the same on a real server with the real decoder."""
     opened, decoders = ModelLifecycle._open, {}
 
-    def on_cuda(self, entry, plan):
-        runner, chosen = opened(self, entry, plan)
+    def on_cuda(self, entry, plan, *serving):
+        runner, chosen = opened(self, entry, plan, *serving)
         runner.provider = CUDA
         return runner, chosen
 

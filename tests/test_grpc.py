@@ -254,13 +254,13 @@ async def cancelled_once(target: str, model: str, x: np.ndarray, calls: int, rea
 @pytest.mark.parametrize("backend,workers", [("thread", 0), ("process", 2)])
 def test_cancelled_calls_leave_the_queue_and_only_the_answered_and_the_running_batch_are_computed(backend, workers,
                                                                                                    tmp_path):
-    """Eight calls of eight images, a batch each (max_batch_size 8) that takes seconds (fault_graphs.stalling: the images'
-    top-left pixel is bright), all cancelled once a call's images wait in the model's queue (the inference
-    process's, under the process backend). Computed are the images of the calls answered (none, unless the client
-    was held up for a whole batch) and of the batch that was running when the cancellations came: the others left
-    the queue, as a call sent afterwards, which runs after anything still queued, shows. (Under the process
-    backend a worker's requests that share a frame are answered together, when its last image is computed: so the
-    cancellations come on the queue's state, not on a first answer.)"""
+    """Eight calls of eight images, a batch each (max_batch_size 8) that takes seconds (fault_graphs.stalling: the
+    images' top-left pixel is bright), all cancelled once a call's images wait in the model's queue (the inference
+    process's, under the process backend). Computed are the images of the calls answered (none, unless the client was
+    held up for a whole batch) and of the batch that was running when the cancellations came: the others left the queue,
+    as a call sent afterwards, which runs after anything still queued, shows. (Under the process backend a worker's
+    requests that share a frame are answered together, when its last image is computed: so the cancellations come on the
+    queue's state, not on a first answer.)"""
     model, batch_s = "slow-deit", 3.0
     source = ROOT / "model_repository" / MODEL
     stalling(source, tmp_path / "repository" / model, turns_for(batch_s, source, tmp_path))

@@ -1,5 +1,5 @@
-"""service.images.jpeg_header: a JPEG's size and EXIF orientation read without Pillow where the header is plain, and left
-to Pillow (None) wherever Pillow could read it differently; upload_input's answer is Pillow's either way."""
+"""service.images.jpeg_header: a JPEG's size and EXIF orientation read without Pillow where the header is plain, and
+left to Pillow (None) wherever Pillow could read it differently; upload_input's answer is Pillow's either way."""
 import io
 import random
 import struct

@@ -395,7 +395,8 @@ def test_metrics_add_up_over_all_processes(url):  # 8 requests: never more than 
     assert delta("vitserve_decode_seconds_count") == 8 and delta("vitserve_queue_seconds_count", **model) == 8
     assert metric(after, "vitserve_model_ready", model="shapes-deit") == 1
     assert metric(after, "vitserve_model_info", model="shapes-deit", version="1",
-                  architecture="deit_micro_distilled_patch8_96", task="classification", precision="fp32", provider="CPUExecutionProvider") == 1
+                  architecture="deit_micro_distilled_patch8_96", task="classification", precision="fp32",
+                  provider="CPUExecutionProvider") == 1
     # the supervisor, the inference process and both workers: more memory than one process holds
     assert metric(after, "process_resident_memory_bytes") > 300 * 2**20
     assert metric(after, "process_cpu_seconds_total") > metric(before, "process_cpu_seconds_total")

@@ -18,7 +18,8 @@ ENTRIES = [name for name in FOLDERS if name != "mtcnn"]  # the models; mtcnn is 
 
 
 def test_the_embedded_repository_has_every_demo_model_and_the_face_detector():
-    assert FOLDERS == ["expression-fer2013", "expression-vit", "mtcnn", "shapes-deit", "shapes-swin", "shapes-vit", "shapes-vit-int8"]
+    assert FOLDERS == ["expression-fer2013", "expression-vit", "mtcnn", "shapes-deit", "shapes-swin", "shapes-vit",
+                       "shapes-vit-int8"]
     assert sum(f.stat().st_size for f in REPO.rglob("*") if f.is_file()) < 40 * 2**20
 
 
@@ -78,3 +79,15 @@ def test_every_graph_lists_its_inputs_and_runs_them_through_iobinding(graph):
             session.run_with_iobinding(binding)
             for got, expected in zip(binding.copy_outputs_to_cpu(), want):
                 np.testing.assert_array_equal(got, expected)
+
+
+def test_a_plan_naming_a_graph_its_manifest_does_not_list_is_refused_by_name():
+    """A manifest copied without its int8 graph (bench/service_overhead.py's null repository did): the refusal names
+    the graph and the folder, not a bare key."""
+    from repository import RepositoryError, read_entry, verify_file
+    manifest = json.loads((REPO / "shapes-deit" / "manifest.json").read_text())
+    entry = read_entry(REPO / "shapes-deit")
+    entry.manifest["files"] = {"model": manifest["files"]["model"]}
+    with pytest.raises(RepositoryError, match="shapes-deit: its manifest names a graph 'model_int8' that its files do "
+                                              "not list"):
+        verify_file(entry, "model_int8")

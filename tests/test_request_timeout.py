@@ -3,10 +3,10 @@ request_timeout_s gets 503 too and leaves the queue"): the 503, with Retry-After
 request's images never reaching a batch, as /metrics counts the images computed.
 
 The queue is made long, whatever the host's speed, by a batch that takes seconds: a `stalling` copy of a model
-(fault_graphs.py) whose graph turns a Loop a number of times, sized here for this host (`turns_for`), where the
-batch holds an image whose top-left input pixel is bright, and not at all otherwise (darker images get the source
-model's answers as fast). With max_batch_size 1, a request of two bright images has one in a batch and one in the queue: the queue's
-depth on /metrics then says that its batch runs, and what comes next waits behind it. (tests/test_app.py has the
+(fault_graphs.py) whose graph turns a Loop a number of times, sized here for this host (`turns_for`), where the batch
+holds an image whose top-left input pixel is bright, and not at all otherwise (darker images get the source model's
+answers as fast). With max_batch_size 1, a request of two bright images has one in a batch and one in the queue: the
+queue's depth on /metrics then says that its batch runs, and what comes next waits behind it. (tests/test_app.py has the
 same 503 over a backend that never answers, in this process.)"""
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -106,11 +106,11 @@ def test_a_request_past_the_timeout_gets_503_and_its_images_never_reach_a_batch(
 
 @pytest.mark.parametrize("backend,workers", [("thread", 0), ("process", 2)])
 def test_a_request_past_its_own_deadline_gets_504_and_its_images_never_reach_a_batch(repository, backend, workers):
-    """The same queue behind the slow batch, the server's own timeout far off: each request's deadline drops it.
-    The blocker (its parameters.timeout 2 s on /v2) has one image in the slow batch and one in the queue; behind it,
-    /classify and /embed with timeout_ms, /v2 with Triton's `timeout` (µs) and gRPC ModelInfer with the same
-    parameter, each 1 s. All are answered 504 deadline_exceeded (gRPC DEADLINE_EXCEEDED) before the slow batch ends, and nothing but
-    its one image is computed."""
+    """The same queue behind the slow batch, the server's own timeout far off: each request's deadline drops it. The
+    blocker (its parameters.timeout 2 s on /v2) has one image in the slow batch and one in the queue; behind it,
+    /classify and /embed with timeout_ms, /v2 with Triton's `timeout` (µs) and gRPC ModelInfer with the same parameter,
+    each 1 s. All are answered 504 deadline_exceeded (gRPC DEADLINE_EXCEEDED) before the slow batch ends, and nothing
+    but its one image is computed."""
     port = free_port()
     settings = {"backend": backend, "model_repository": repository, "max_batch_size": 1, "request_timeout_s": 600,
                 "intra_op_threads": 1, "spin_wait": "false", "grpc_port": port,

@@ -1,6 +1,6 @@
-"""The response cache (VITSERVE_RESPONSE_CACHE_BYTES, service/pipeline/response_cache.py): its bound and order, its keys, and a
-real service on both backends answering a repeated image from it, counted as Triton counts, missing on any change of
-the upload, the question or the model."""
+"""The response cache (VITSERVE_RESPONSE_CACHE_BYTES, service/pipeline/response_cache.py): its bound and order, its
+keys, and a real service on both backends answering a repeated image from it, counted as Triton counts, missing on any
+change of the upload, the question or the model."""
 import shutil
 
 import httpx

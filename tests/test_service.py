@@ -177,12 +177,15 @@ def test_batches_form_under_concurrent_requests_and_metrics_move(url):
     assert 0 < batches < 24 and singles < batches  # fewer inference calls than images: batches > 1 formed
     images = metric(after, "vitserve_images_total", **model) - metric(before, "vitserve_images_total", **model)
     assert images == 24
-    waits = metric(after, "vitserve_queue_seconds_count", **model) - metric(before, "vitserve_queue_seconds_count", **model)
+    waits = (metric(after, "vitserve_queue_seconds_count", **model)
+             - metric(before, "vitserve_queue_seconds_count", **model))
     assert waits == 24  # one per request
     requests = {"route": "/classify", "method": "POST", "status": "200"}
-    assert metric(after, "vitserve_requests_total", **requests) - metric(before, "vitserve_requests_total", **requests) == 24
+    assert (metric(after, "vitserve_requests_total", **requests)
+            - metric(before, "vitserve_requests_total", **requests)) == 24
     assert metric(after, "vitserve_model_info", model="shapes-deit", version="1",
-                  architecture="deit_micro_distilled_patch8_96", task="classification", precision="fp32", provider="CPUExecutionProvider") == 1
+                  architecture="deit_micro_distilled_patch8_96", task="classification", precision="fp32",
+                  provider="CPUExecutionProvider") == 1
     assert process_metrics(after)["process_cpu_seconds_total"] > process_metrics(before)["process_cpu_seconds_total"]
     assert process_metrics(after)["process_resident_memory_bytes"] > 50 * 2**20  # the sessions are in memory
 

@@ -35,7 +35,8 @@ from service.engine.batching import Batcher, BatchingPolicy, QueueFull
 from service.images.avif_header import largest_frame
 from service.explain.cache import AttentionCache, AttentionResult
 from service.images.decode import decode, decode_size, model_input, resize_and_crop, upload_input
-from service.core.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded, to_wire
+from service.core.errors import (BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, from_wire, overloaded,
+                                 to_wire)
 from service.engine.heads import head, top_k
 from service.http.server import WriteCombining
 from service.core.metrics import Metrics
@@ -134,14 +135,14 @@ def avif(frames: list[Image.Image], **options) -> bytes:
 
 
 def test_an_avifs_largest_frame_is_read_from_its_av1_data_and_a_damaged_one_is_a_value_error():
-    """Stills carry a reduced sequence header, their size exactly; a sequence's first frame may be any size its
-    frame headers can code (2^bits a side). Mutated and cut files raise ValueError and nothing else."""
+    """Stills carry a reduced sequence header, their size exactly; a sequence's frames are its full sequence header's
+    maximum where their frame headers do not override it. Mutated and cut files raise ValueError and nothing else."""
     rgba = np.zeros((300, 200, 4), np.uint8)
     rgba[..., 3] = 128
     files = {"still": (avif([Image.new("RGB", (333, 517), "grey")]), (333, 517)),
              "4:4:4": (avif([Image.new("RGB", (4001, 3), "grey")], subsampling="4:4:4"), (4001, 3)),
              "alpha": (avif([Image.fromarray(rgba)]), (200, 300)),
-             "sequence": (avif([Image.new("RGB", (200, 120), (40 * i, 0, 0)) for i in range(3)]), (256, 128))}
+             "sequence": (avif([Image.new("RGB", (200, 120), (40 * i, 0, 0)) for i in range(3)]), (200, 120))}
     for name, (data, size) in files.items():
         assert largest_frame(data) == size, name
     assert largest_frame((Path(__file__).parent / "reference" / "flat_12000.avif").read_bytes()) == (12000, 12000)
@@ -186,7 +187,8 @@ def damaged_image_seeds() -> list[tuple[bytes, int]]:
     for fmt, image, kw in (("PNG", small, {"exif": exif}), ("PNG", small.convert("RGBA"), {}),
                            ("PNG", small.convert("P"), {}), ("PNG", small.convert("L").convert("I;16"), {}),
                            ("WEBP", small, {"exif": exif}), ("GIF", small.convert("P"), {}),
-                           ("TIFF", small, {"exif": exif}), ("TIFF", small.convert("CMYK"), {"compression": "tiff_lzw"}),
+                           ("TIFF", small, {"exif": exif}),
+                           ("TIFF", small.convert("CMYK"), {"compression": "tiff_lzw"}),
                            ("BMP", small, {})):
         seeds.append((encode(image, fmt, **kw), 400))
     return seeds
@@ -543,7 +545,8 @@ def test_a_request_given_up_while_its_batch_is_gathered_is_left_out_of_it():
 
 def test_a_request_whose_client_left_leaves_the_queue_at_once():
     async def main():
-        batcher = Batcher("m", lambda parts, queue_ms: 0.0, None, Metrics(), BatchingPolicy(4, 10.0, 8))  # not started: none taken
+        # not started: none taken
+        batcher = Batcher("m", lambda parts, queue_ms: 0.0, None, Metrics(), BatchingPolicy(4, 10.0, 8))
         left = batcher.submit(images(*range(6))).future
         with pytest.raises(QueueFull):
             batcher.submit(images(*range(4)))
@@ -596,7 +599,8 @@ def test_a_lone_request_runs_in_the_callers_thread_and_never_beside_a_batch():
     (ran, alone, busy, waits), calls = _run_batcher(go, coming=partial(boards.coming, [0]))
     assert ran and alone["logits"][0, 0] == 14 and alone["batch_size"][0] == 1
     assert not busy and not waits and calls == [1, 2]
-    two_at_a_time = Batcher("gpu", lambda parts, queue_ms: 0.0, None, Metrics(), BatchingPolicy(4, 0.0, 8), concurrency=2)
+    two_at_a_time = Batcher("gpu", lambda parts, queue_ms: 0.0, None, Metrics(), BatchingPolicy(4, 0.0, 8),
+                            concurrency=2)
     assert not two_at_a_time.try_run_here(images(5), 1)  # a GPU's batches run in their own threads
 
 

@@ -93,7 +93,7 @@ def test_a_grpc_callers_trace_goes_on_through_model_infer(monkeypatch):
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
         monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
         port = free_port()
-        with running_service(backend="process", workers=1, grpc_port=port) as url:
+        with running_service(backend="process", workers=1, grpc_port=port):
             pixels = model_pixels(ROOT / "model_repository" / "shapes-vit", photo_bytes("chelsea", "JPEG"))
             with triton_grpc.InferenceServerClient(f"127.0.0.1:{port}") as client:
                 images = triton_grpc.InferInput("images", [1, *pixels.shape], "UINT8")

@@ -70,7 +70,8 @@ def test_other_class_count_needs_replace_head(tmp_path):
     head_before = model.head.weight.clone()
     load_weights(model, tmp_path / "in1k.safetensors", replace_head=True)
     assert torch.equal(model.head.weight, head_before)
-    torch.testing.assert_close(model.blocks[3].mlp.fc1.weight, timm_weights("deit_tiny_patch16_224")["blocks.3.mlp.fc1.weight"])
+    torch.testing.assert_close(model.blocks[3].mlp.fc1.weight,
+                               timm_weights("deit_tiny_patch16_224")["blocks.3.mlp.fc1.weight"])
 
 
 def test_non_strict_keeps_missing_keys_but_checks_shapes(tmp_path):

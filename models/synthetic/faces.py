@@ -98,7 +98,8 @@ def _draw_mouth(pen: _Pen, rng: np.random.Generator, kind: str, t: float, y: flo
         if rng.random() < 0.5:
             pen.line(_curve(-w, w, y - 0.10 * t, y + 0.08 * t))
         else:  # open smile: a "D" on its back
-            pen.polygon(_curve(-w, w, y - 0.08 * t, y + 0.14 * t) + [(w * 0.6, y - 0.06 * t), (-w * 0.6, y - 0.06 * t)], white)
+            pen.polygon(_curve(-w, w, y - 0.08 * t, y + 0.14 * t) + [(w * 0.6, y - 0.06 * t), (-w * 0.6, y - 0.06 * t)],
+                        white)
     elif kind == "frown":
         pen.line(_curve(-w, w, y + 0.10 * t, y - 0.05 * t))
     elif kind == "o":
@@ -117,7 +118,8 @@ def _draw_mouth(pen: _Pen, rng: np.random.Generator, kind: str, t: float, y: flo
             pen.line([(x, y - h), (x, y + h)], width_scale=0.6)
     elif kind == "sneer":  # one side of the upper lip pulled up
         side = rng.choice([-1, 1])
-        pen.line([(-side * w, y + 0.02), (-side * w * 0.2, y), (side * w * 0.3, y - 0.08 * t), (side * w, y - 0.12 * t)])
+        pen.line([(-side * w, y + 0.02), (-side * w * 0.2, y), (side * w * 0.3, y - 0.08 * t),
+                  (side * w, y - 0.12 * t)])
         pen.line([(side * w * 0.3, y - 0.08 * t), (side * w * 0.6, y - 0.02)], width_scale=0.8)
 
 

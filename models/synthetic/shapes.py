@@ -29,7 +29,8 @@ def _outline(label: str, radius: float, angle: float) -> list[tuple[float, float
                         (-a, a), (-a, 1)])
     elif label == "heart":
         t = np.linspace(0, 2 * np.pi, 48, endpoint=False)
-        pts = np.stack([16 * np.sin(t) ** 3, -(13 * np.cos(t) - 5 * np.cos(2 * t) - 2 * np.cos(3 * t) - np.cos(4 * t))], 1)
+        pts = np.stack([16 * np.sin(t) ** 3,
+                        -(13 * np.cos(t) - 5 * np.cos(2 * t) - 2 * np.cos(3 * t) - np.cos(4 * t))], 1)
         pts = (pts - pts.mean(0)) / np.abs(pts).max()
     else:
         corners = {"square": 4, "triangle": 3}[label]

@@ -6,6 +6,8 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EMBEDDED_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+# one model's CPU plan in VITSERVE_CPU_PLAN: [NAME=](auto|measure|first|RUNTIME:PRECISION)
+PLAN_SPEC = r"([\w.@-]+=)?(auto|measure|first|(onnxruntime|openvino):(fp32|bf16|int8))"
 
 
 class Settings(BaseSettings):
@@ -85,6 +87,11 @@ class Settings(BaseSettings):
                              "network); false: off, its routes answer 403. true, from before local and any, is "
                              "local")
 
+    @field_validator("cpu_plan_dir", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value
+
     @field_validator("shared_memory", mode="before")
     @classmethod
     def _shared_memory_was_a_bool(cls, value: object) -> object:
@@ -117,12 +124,22 @@ class Settings(BaseSettings):
                                             "decoder while fewer than this many batches per inference thread of "
                                             "them wait for it; past that, uploads are decoded on the CPU: the "
                                             "split follows the load (docs/serving.md)")
-    cpu_plan: str = Field("auto", pattern=r"^(auto|first|(onnxruntime|openvino):(fp32|bf16|int8))$",
-                          description="on a CPU host, the runtime and precision of every model: auto, the fastest "
-                                      "here of the plans its export verified (measured at load); first, the first "
-                                      "of them this host runs, unmeasured (the quickest start); or one pinned, "
-                                      "RUNTIME:PRECISION (onnxruntime or openvino, fp32, bf16 or int8): a model "
-                                      "whose export did not verify it fails to load, saying which it did")
+    cpu_plan: str = Field("auto", pattern=rf"^{PLAN_SPEC}(,{PLAN_SPEC})*$",
+                          description="on a CPU host, the runtime and precision of the models: auto, the fastest "
+                                      "here of the plans its export verified, measured at the first start on a host "
+                                      "and kept (CPU_PLAN_DIR); measure, measured anew (and kept); first, the first "
+                                      "of them this host runs, unmeasured; or one pinned, RUNTIME:PRECISION "
+                                      "(onnxruntime or openvino, fp32, bf16 or int8), for every model whose export "
+                                      "verified it (the others take auto); or per model, NAME=PLAN,... beside one "
+                                      "for the rest: a model whose export did not verify the plan named for it fails "
+                                      "to load, saying which it did")
+    cpu_plan_dir: Path | None = Field(Path.home() / ".cache" / "vitserve" / "cpu-plans",
+                                      description="where the plans measured are kept, one file per host and graph, "
+                                                  "for every later start, process and replica on the host (empty: "
+                                                  "none kept, each start measures)")
+    strict_readiness: bool = Field(True, description="/health/ready and /v2/health/ready answer 200 only when every "
+                                                     "model of the repository serves (Triton's --strict-readiness); "
+                                                     "false: when one does and none is still loading")
     intra_op_threads: int = Field(0, ge=0, description="threads per inference (0: one per core)")
     decode_threads: int = Field(0, ge=0, description="image-decoding threads per process (0: the thread backend one "
                                                      "per core, at most 8; each HTTP worker of the process backend "

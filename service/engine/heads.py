@@ -9,7 +9,7 @@ A batch of requests that ask for none (KServe v2 clients, who get the graph's ou
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from functools import cache
+from functools import lru_cache
 from typing import Protocol
 
 import numpy as np
@@ -127,7 +127,8 @@ HEADS: dict[str, Callable[[ModelEntry], Head]] = {Task.CLASSIFICATION: Classifie
                                                   Task.EMBEDDING: EmbeddingOnly.of}
 
 
-@cache
+# bounded: the process backend's workers rebuild their entries at every status push, and the cache holds them
+@lru_cache(maxsize=256)
 def head(entry: ModelEntry) -> Head:
     """The head of a model version's task."""
     return HEADS[entry.task](entry)

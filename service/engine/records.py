@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import cache
+from functools import lru_cache
 
 import numpy as np
 
@@ -35,7 +35,8 @@ KINDS = tuple(Kind)
 TIMINGS = ("batch_size", "queue_ms", "input_ms", "inference_ms", "output_ms")
 
 
-@cache
+# bounded: the process backend's workers rebuild their entries at every status push, and the cache holds them
+@lru_cache(maxsize=256)
 def record_dtype(entry: ModelEntry, kind: Kind) -> np.dtype:
     h, w = entry.policy.size
     fields = {Kind.IMAGE: [("image", np.uint8, (h, w, 3))], Kind.TENSOR: [("tensor", np.float32, (3, h, w))],

@@ -33,9 +33,13 @@ class ImageError(BaseModel):
                                               "as a whole request's error would say them")
 
 
+PLAN = ("what computed the answers, RUNTIME:PRECISION: the CPU plan (onnxruntime or openvino; fp32, bf16 or int8), "
+        "or onnxruntime-cuda and the precision on CUDA (GET /models says why)")
+
+
 class ClassifyResponse(BaseModel):
     model_config = {"json_schema_extra": {"examples": [{
-        "model": "shapes-deit", "scores": "softmax",
+        "model": "shapes-deit", "plan": "onnxruntime:fp32", "scores": "softmax",
         "results": [{"id": "3f2b9c0e4d6a4f1b8e7c5a2d9b0c1e3f", "filename": "shape.png",
                      "predictions": [{"label": "star", "index": 3, "score": 0.9731},
                                      {"label": "cross", "index": 4, "score": 0.0112}],
@@ -44,6 +48,7 @@ class ClassifyResponse(BaseModel):
                      "attention_map_url": "/attention-map?id=3f2b9c0e4d6a4f1b8e7c5a2d9b0c1e3f"}]}]}}
 
     model: str
+    plan: str | None = Field(description=PLAN)
     scores: str = Field(description="softmax: the scores are one distribution over the labels; sigmoid: a "
                                     "multi-label model, each label's score on its own")
     results: list[ImageResult | ImageError] = Field(description="one entry per uploaded file, in order: its "
@@ -66,11 +71,13 @@ class EmbeddingError(ImageError):
 
 class EmbedResponse(BaseModel):
     model_config = {"json_schema_extra": {"examples": [{
-        "model": "shapes-vit", "size": 4, "pooling": "final-norm [CLS] token", "normalized": True, "encoding": "json",
+        "model": "shapes-vit", "plan": "onnxruntime:fp32", "size": 4, "pooling": "final-norm [CLS] token",
+        "normalized": True, "encoding": "json",
         "results": [{"index": 0, "filename": "shape.png", "embedding": [0.5, -0.5, 0.5, 0.5], "batch_size": 8,
                      "timings_ms": {"decode_ms": 1.9, "queue_ms": 2.4, "inference_ms": 6.1, "total_ms": 11.2}}]}]}}
 
     model: str
+    plan: str | None = Field(description=PLAN)
     size: int = Field(description="the vectors' length")
     pooling: str = Field(description="how the model's tokens became the vector (its manifest's embedding.pooling)")
     normalized: bool = Field(description="whether each vector was L2-normalised (normalize, default true)")
@@ -162,7 +169,7 @@ class ExpressionTimings(BaseModel):
 
 class ExpressionResponse(BaseModel):
     model_config = {"json_schema_extra": {"examples": [{
-        "model": "expression-vit", "image_size": [512, 512],
+        "model": "expression-vit", "plan": "onnxruntime:fp32", "image_size": [512, 512],
         "faces": [{"id": "9c1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f", "box": [181, 61, 87, 113],
                    "landmarks": {"left_eye": [204.5, 101.6], "right_eye": [247.1, 103.2], "nose": [225.6, 128.5],
                                  "mouth_left": [202.9, 140.3], "mouth_right": [245.1, 141.6]},
@@ -174,6 +181,7 @@ class ExpressionResponse(BaseModel):
         "timings_ms": {"decode_detect_ms": 14.2, "queue_ms": 0.3, "inference_ms": 2.8, "total_ms": 18.0}}]}}
 
     model: str
+    plan: str | None = Field(description=PLAN)
     image_size: list[int] = Field(description="[width, height] after EXIF rotation")
     faces: list[Face]
     timings_ms: ExpressionTimings
@@ -190,5 +198,6 @@ class PhotoFaces(BaseModel):
 class ExpressionResults(BaseModel):
     """/expression's answer to several photos (`files`)."""
     model: str
+    plan: str | None = Field(description=PLAN)
     results: list[PhotoFaces | ImageError] = Field(description="one entry per photo, in order: its faces, or its "
                                                                "error where it alone could not be read")

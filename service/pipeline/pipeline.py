@@ -27,7 +27,7 @@ from service.core.settings import Settings
 from service.core.urgency import check_deadline, expired, request_deadline
 from service.engine.backends import Backend, DecodeOn, Lease, graph_entry
 from service.engine.batching import BatchingPolicy
-from service.engine.heads import OUTPUTS_ONLY, Task, head
+from service.engine.heads import OUTPUTS_ONLY, Classifier, Task, head
 from service.engine.records import TIMINGS, Kind, output_names, record_dtype, results
 from service.engine.shared_memory import SharedIO, SharedTensor, Slice
 from service.explain.cache import AttentionResult
@@ -134,6 +134,12 @@ class Pipeline:
         self._queue_series: dict[str, object] = {}  # by graph (_queue_seconds)
         self._batching: BatchingPolicy | None = None
         self._decoded_on = {where: metrics.images_decoded.labels(self.name, where) for where in DecodeOn}
+
+    @property
+    def plan(self) -> str | None:
+        """What computes this model's answers now (ModelStatus.runs): each answer names it."""
+        status = self.backend.status().get(self.key)
+        return status.runs if status is not None else None
 
     @property
     def batching(self) -> BatchingPolicy:
@@ -413,18 +419,27 @@ class Pipeline:
                            f"{self.entry.manifest['family']}; maps come from ViT, DeiT and Swin models). Ask without "
                            "attention, or name another model", "no_attention")
 
+    @property
+    def classifies(self) -> bool:
+        """Whether its head gives labels' scores (heads.Classifier): not an embedding model's, nor a task's own."""
+        return isinstance(head(self.entry), Classifier)
+
     def check_classifier(self) -> None:
-        """BadInput, before any work, for labels asked of an embedding model (it has no classifier)."""
+        """BadInput, before any work, for labels asked of a model without a classifier: an embedding model, or one
+        of a task whose head gives no labels' scores."""
         if self.entry.task == Task.EMBEDDING:
             raise BadInput(f"{self.name} is an embedding model: it has no labels to classify with. POST /embed for "
                            "its embeddings, or name a classification model", "embedding_model")
+        if not self.classifies:
+            raise BadInput(f"{self.name} is a model of task {self.entry.task}, whose head gives no labels' scores: "
+                           "name a classification model", "no_classifier")
 
     def check_embedding(self) -> None:
         """BadInput, before any work, for embeddings asked of a model without an embedding output."""
         if self.entry.embedding is None:
             raise BadInput(f"{self.name} has no embedding output (family {self.entry.manifest['family']}; every ViT, "
-                           "DeiT and Swin exported since issue 68 has one: re-export it). Name another model",
-                           "no_embedding")
+                           "DeiT and Swin exported by this version of python -m export has one: re-export it). Name "
+                           "another model", "no_embedding")
 
     def attention_result(self, out: Results, i: int) -> AttentionResult:
         """Image i's attention result (of a request run with for_maps=True)."""

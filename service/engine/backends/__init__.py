@@ -54,6 +54,14 @@ class ModelStatus:
         """Not loading: serving, failed, or unloaded."""
         return self.ready or self.error is not None or self.unloaded
 
+    @property
+    def runs(self) -> str | None:
+        """What computes its answers, as each answer names it: RUNTIME:PRECISION (the CPU plan, or onnxruntime-cuda
+        and the precision that runs on CUDA); None before it serves."""
+        if self.plan is not None or self.precision is None:
+            return self.plan
+        return f"onnxruntime{'-cuda' if self.provider == 'CUDAExecutionProvider' else ''}:{self.precision}"
+
 
 def graph_entry(entries: list[ModelEntry], status: dict[str, ModelStatus], key: str) -> ModelEntry:
     """The model version whose graph runs a model version's batches (its status says which; itself until then):

@@ -62,7 +62,9 @@ async def _at_once(generation: int) -> None:
 
 def chosen_status(chosen: Choice) -> dict:
     """What a model's status says of the CPU plan it runs (ModelStatus.plan...)."""
-    return {"plan": chosen.plan.name, "plan_reason": chosen.reason, "plan_measured": chosen.measured or None}
+    reason = chosen.reason + ("" if chosen.plan.batch_invariant else "; its images run one at a time (dynamic int8 "
+                              "quantizes a batch with one scale: each image is answered as alone)")
+    return {"plan": chosen.plan.name, "plan_reason": reason, "plan_measured": chosen.measured or None}
 
 
 def no_head(entry: ModelEntry) -> str:
@@ -166,13 +168,15 @@ class ModelLifecycle:
         model = next((self.by_key[p.name] for p in self.plans.values() if p.graph == graph and p.name != graph), None)
         return BatchingPolicy.of(self.settings, entry or self.by_key[graph], model)
 
-    def _open(self, entry: ModelEntry, plan: Plan) -> tuple[Runner | OpenVinoRunner, Choice | None]:
-        """The graph's runner, warmed up; on the CPU, in the plan of its export's that cpu_plans chose (with how)."""
+    def _open(self, entry: ModelEntry, plan: Plan, serving: bool = False) -> tuple[Runner | OpenVinoRunner,
+                                                                                  Choice | None]:
+        """The graph's runner, warmed up; on the CPU, in the plan of its export's that cpu_plans chose (with how):
+        measured only where nothing `serving` yet (start-up), never beside live batches."""
         settings, batches = self.settings, sorted({1, self.batching(plan.graph, entry).max_batch_size})
         chosen = None
         if plan.provider == CPU:
             chosen = choose(entry, input_names(entry), batches, settings.cpu_plan, settings.intra_op_threads,
-                            settings.spin_wait, settings.iobinding)
+                            settings.spin_wait, settings.iobinding, settings.cpu_plan_dir, measure_now=not serving)
             runner = chosen.runner
             log.info("%s runs on %s: %s%s", entry.key, chosen.plan.name, chosen.reason,
                      f" {chosen.measured} images/s" if chosen.measured else "")
@@ -244,7 +248,8 @@ class ModelLifecycle:
                 plans = {e.key: self._reload_plan(e) for e in changed}
                 runners = {}
                 for entry in changed:  # off the inference thread: batches go on meanwhile
-                    runners[entry.key] = await loop.run_in_executor(None, self._open, entry, plans[entry.key])
+                    runners[entry.key] = await loop.run_in_executor(None, self._open, entry, plans[entry.key],
+                                                                    True)
             except Exception as e:  # the repository's, the plan's or ONNX Runtime's (its own exception types)
                 raise self._load_failed(model, getattr(e, "message", str(e))) from None
             self.metrics.load_seconds.labels(model).observe(time.perf_counter() - start)

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from repository import InputPolicy
 from service.core.errors import NotFound
 from service.core.urgency import PRIORITY, TIMEOUT_MS, from_query
-from service.engine.heads import OUTPUTS_ONLY, Task
+from service.engine.heads import OUTPUTS_ONLY
 from service.explain import maps
 from service.explain.cache import AttentionResult
 from service.images.decode import decode
@@ -119,10 +119,10 @@ async def attention_map_for_image(
         return await read_images(request, ("file",), 1)
 
     pipeline, ((_, data),) = await pipelines.routed(read, model)
-    classifies = pipeline.entry.task != Task.EMBEDDING  # an embedding model's map comes without a prediction
-    out = await pipeline.images([data], top_k=1 if classifies else OUTPUTS_ONLY, for_maps=True)
+    # a model without a classifier (an embedding model, a task's own head) draws its map without a prediction
+    out = await pipeline.images([data], top_k=1 if pipeline.classifies else OUTPUTS_ONLY, for_maps=True)
     record = pipeline.attention_result(out, 0)
-    if not classifies:
+    if not pipeline.classifies:
         return await render(pipeline, record, options)
     top = predictions(pipeline, out, 1)[0][0]
     return await render(pipeline, record, options, {"prediction": top},

@@ -71,4 +71,5 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
         key = await pipeline.store_attention(out, i) if attention else None
         results.append({"id": key or uuid.uuid4().hex, "filename": filename, "predictions": best, **ran,
                         "attention_map_url": f"/attention-map?id={key}" if key else None})
-    return json_response({"model": pipeline.name, "scores": pipeline.entry.scores, "results": results})
+    return json_response({"model": pipeline.name, "plan": pipeline.plan, "scores": pipeline.entry.scores,
+                          "results": results})

@@ -99,5 +99,6 @@ async def embed(request: Request, query: Annotated[EmbedQuery, Query()]) -> Resp
             continue
         results.append({"index": i, "filename": filename, "embedding": vector, **ran})
     section = pipeline.entry.embedding
-    return json_response({"model": pipeline.name, "size": section["size"], "pooling": section["pooling"],
+    return json_response({"model": pipeline.name, "plan": pipeline.plan, "size": section["size"],
+                          "pooling": section["pooling"],
                           "normalized": query.normalize, "encoding": query.encoding, "results": results})

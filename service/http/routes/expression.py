@@ -65,7 +65,8 @@ async def expression(
     if fields == ["file"]:
         found = await pipeline.find_faces(uploads[0][2], detect, detector, budget)
         budget.check()
-        return json_response({"model": pipeline.name, **await faces_of(pipeline, found, attention, start)})
+        return json_response({"model": pipeline.name, "plan": pipeline.plan,
+                              **await faces_of(pipeline, found, attention, start)})
     # several photos: every one's faces found first (detection stops once the request's budget is spent, a 413
     # before any batch), then each photo's faces in a batch of their own (which the batcher merges with the others')
     found = await asyncio.gather(*(pipeline.find_faces(data, detect, detector, budget) for _, _, data in uploads),
@@ -82,7 +83,7 @@ async def expression(
     raise_for_request(answers)
     results = [{"filename": filename, "error": {"code": a.code, "message": a.message}} if isinstance(a, Exception)
                else {"filename": filename, **a} for (_, filename, _), a in zip(uploads, answers)]
-    return json_response({"model": pipeline.name, "results": results})
+    return json_response({"model": pipeline.name, "plan": pipeline.plan, "results": results})
 
 
 def raise_for_request(answers: list) -> None:

@@ -12,9 +12,13 @@ def require_ready(request: Request) -> None:
     if (problem := pipelines.backend.problem()) is not None:  # the inference process restarting, or hung
         raise problem
     if not pipelines.ready:
-        waiting = [name for name, s in pipelines.backend.status().items() if not s.settled]
-        raise Unavailable(f"warming up: {', '.join(waiting) or 'no model could be loaded'}", "not_ready",
-                          pipelines.settings.retry_after_s)
+        if waiting := [name for name, s in pipelines.backend.status().items() if not s.settled]:
+            raise Unavailable(f"warming up: {', '.join(waiting)}", "not_ready", pipelines.settings.retry_after_s)
+        if missing := pipelines.not_serving():
+            raise Unavailable("not every model serves (VITSERVE_STRICT_READINESS=false: ready while one does): "
+                              + "; ".join(f"{name}: {why}" for name, why in missing.items()), "models_not_serving",
+                              pipelines.settings.retry_after_s)
+        raise Unavailable("no model could be loaded", "not_ready", pipelines.settings.retry_after_s)
 
 
 @router.get("/health/live", summary="200 while this HTTP process runs (a restarting inference process is a readiness "
@@ -23,7 +27,8 @@ async def live() -> dict:
     return {"status": "live"}
 
 
-@router.get("/health/ready", summary="200 once every model is loaded and warm, 503 before")
+@router.get("/health/ready", summary="200 once every model of the repository serves, loaded and warm (with "
+                                      "VITSERVE_STRICT_READINESS=false, once one does and none is loading); 503 else")
 async def ready(request: Request) -> dict:
     require_ready(request)
     return {"status": "ready"}

@@ -193,7 +193,8 @@ def build_response(pipeline: Pipeline, header: InferenceRequest, fields: dict[st
             tensor["parameters"] = {"binary_data_size": len(blobs[-1])}
         else:
             tensor["data"] = json_numbers(value)
-    body = {"model_name": pipeline.name, "model_version": str(pipeline.entry.version), "outputs": tensors}
+    body = {"model_name": pipeline.name, "model_version": str(pipeline.entry.version),
+            "parameters": {"plan": pipeline.plan}, "outputs": tensors}
     if header.id is not None:
         body["id"] = header.id
     encoded = json.dumps(body).encode()
@@ -276,12 +277,16 @@ async def live() -> dict:
     return {"live": True}
 
 
-@router.get("/health/ready", summary="200 once every model is loaded or failed and one serves, 400 before")
+@router.get("/health/ready", summary="200 once every model of the repository serves (with "
+                                     "VITSERVE_STRICT_READINESS=false, once one does and none is loading), 400 else")
 async def ready(request: Request) -> dict:
-    if (problem := _pipelines(request).backend.problem()) is not None:
+    pipelines = _pipelines(request)
+    if (problem := pipelines.backend.problem()) is not None:
         raise BadInput(problem.message, "not_ready")  # v2: 4xx means false
-    if not _pipelines(request).ready:
-        raise BadInput("the server is still loading its models", "not_ready")
+    if not pipelines.ready:
+        missing = pipelines.not_serving() if all(s.settled for s in pipelines.backend.status().values()) else {}
+        raise BadInput("; ".join(f"{name} does not serve: {why}" for name, why in missing.items())
+                       or "the server is still loading its models", "not_ready")
     return {"ready": True}
 
 
