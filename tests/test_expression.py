@@ -2,16 +2,17 @@
 held-out faces; the default model (expression-fer2013, a CNN with real weights) and the cartoon-face ViT beside it."""
 import io
 import json
+from pathlib import Path
 
 import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
 from PIL import Image
-from service_process import ROOT, metric, photo_bytes, running_service
+from service_process import ROOT, metric, photo_bytes, role_pids, running_service, service_and_process
 from skimage import data as photos
 
-from face_scenes import ASTRONAUT_FACE, astronaut_five_times, found, group_photo
+from face_scenes import ASTRONAUT_FACE, astronaut_face, astronaut_five_times, found, group_photo, paste
 
 from models.labels import RAF_DB_LABELS
 from models.synthetic import sample_rng
@@ -223,3 +224,37 @@ def test_the_process_backend_finds_the_same_faces_in_its_workers(url):
                 np.testing.assert_allclose(list(a["probabilities"].values()), list(b["probabilities"].values()),
                                            atol=1e-5)
             assert httpx.get(f"{base}{there[0]['attention_map_url']}").status_code == 200
+
+
+def crowd_jpeg() -> bytes:
+    """20 astronaut faces of 150 pixels over gravel, 1600 x 1200 (bench/crowd_memory.py's)."""
+    scene = Image.fromarray(photos.gravel()).convert("RGB").resize((1600, 1200))
+    for i in range(20):
+        paste(scene, astronaut_face(), 160 + (i % 5) * 320, 150 + (i // 5) * 300, 150, 0)
+    buf = io.BytesIO()
+    scene.save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def rss_mb(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return int(next(line for line in status if line.startswith("VmRSS")).split()[1]) >> 10
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_the_memory_a_refused_crowd_took_goes_back(backend):
+    """Requests of 20 crowd photos past the request's face budget (a 413 once 100 faces are found): the memory their
+    decodes and detections took does not stay with the process that decoded them (the server, or its HTTP worker),
+    as ONNX Runtime's arena and glibc's freed heap kept it (600 MB more after the first, on either backend)."""
+    crowd = crowd_jpeg()
+    with service_and_process(backend=backend, workers=1, face_request_max=100) as (url, process):
+        pid = process.pid if backend == "thread" else role_pids(process.pid, "vitserve-http")[0]
+        one = httpx.post(f"{url}/expression", files={"file": ("crowd.jpg", crowd)}, timeout=120)
+        assert one.status_code == 200 and len(one.json()["faces"]) == 20, one.text
+        before = rss_mb(pid)
+        for _ in range(2):
+            refused = httpx.post(f"{url}/expression", files=[("files", (f"{i}.jpg", crowd)) for i in range(20)],
+                                 timeout=300)
+            assert refused.status_code == 413 and refused.json()["error"]["code"] == "too_many_faces", refused.text
+        grown = rss_mb(pid) - before
+    assert grown < 150, f"{grown} MB more after the refused crowds"

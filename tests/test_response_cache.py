@@ -92,9 +92,14 @@ def test_a_repeated_image_is_answered_without_a_decode_or_a_batch_until_anything
         assert (counts(url)["hits"], counts(url)["misses"]) == (3, 4)
         # files that cannot be read beside photos: each request answered first with none of it cached (as with the
         # cache off) and again with its photos cached, the same status and the same answers either way
-        coffee, cut = photo_bytes("coffee", "JPEG"), JPEG[:len(JPEG) // 3]
-        for album in ([coffee, cut], [coffee, coffee, b""], [photo_bytes("rocket", "JPEG"), cut, b""], [cut, b""]):
-            uncached, cached = answers(url, album), answers(url, album)
+        # (each album's photos new to the cache: its first answer is a cold one)
+        cut = JPEG[:len(JPEG) // 3]
+        coffee, astronaut, rocket = (photo_bytes(name, "JPEG") for name in ("coffee", "astronaut", "rocket"))
+        for album in ([coffee, cut], [astronaut, astronaut, b""], [rocket, cut, b""], [cut, b""]):
+            hits = counts(url)["hits"]
+            uncached = answers(url, album)
+            assert counts(url)["hits"] == hits, album  # none of it answered from the cache
+            cached = answers(url, album)
             assert cached == uncached, (cached, uncached)
         assert answers(url, [coffee, cut])[0] == 200 and answers(url, [cut, b""])[0] in (400, 415)
         # the model reloads with other weights (its int8 graph): the answer is the new one's, never the cached

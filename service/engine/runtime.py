@@ -34,14 +34,17 @@ CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 
 
 def open_session(path: Path, providers: list[str], threads: int = 0, spin_wait: bool = False,
-                 tf32: bool = False, cuda_graph_dims: dict[str, int] | None = None) -> ort.InferenceSession:
+                 tf32: bool = False, cuda_graph_dims: dict[str, int] | None = None,
+                 memory_arena: bool = True) -> ort.InferenceSession:
     """A session on the first of `providers` that starts here (the CPU as the last resort). With `spin_wait`, a
     CPU session's threads spin while a run lasts (not between runs); a CUDA session's never do, as they would
     through every run on the GPU. On CUDA, fp32 math uses TF32 tensor cores only with `tf32` (ORT's own default is
     on). `cuda_graph_dims`: the symbolic dimensions fixed at load for a session that CUDA captures as a graph
-    (CudaGraph)."""
+    (CudaGraph). Without `memory_arena` a CPU session frees what a run allocated when it ends, where ORT's arena
+    would keep its peak for the next run."""
     wanted = list(dict.fromkeys([p for p in providers if p in ort.get_available_providers()] + [CPU]))
     options = ort.SessionOptions()
+    options.enable_cpu_mem_arena = memory_arena
     options.intra_op_num_threads = threads or os.cpu_count() or 1
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_wait and CUDA not in wanted

@@ -61,7 +61,9 @@ class FaceDetector:
         self.crops = {net: spec[net]["crop"] for net in ("rnet", "onet")}
         self.thresholds = {net: spec[net]["threshold"] for net in spec}
         self.factor = entry.manifest["pyramid_factor"]
-        self.sessions = {net: open_session(entry.path(net), providers, threads) for net in spec}
+        # no arena: P-Net runs at every pyramid level's size, and several decode threads at once, so that ORT's
+        # arena would keep the peak of a crowd of large photos for good (a refused crowd held 600 MB)
+        self.sessions = {net: open_session(entry.path(net), providers, threads, memory_arena=False) for net in spec}
         self.provider = self.sessions["pnet"].get_providers()[0]
 
     def detect(self, image: Image.Image, settings: DetectorSettings) -> Faces:
@@ -215,9 +217,14 @@ class FaceBudget:
         with self._lock:
             self.found += n
 
+    @property
+    def spent(self) -> bool:
+        """The request's faces found so far are past its budget."""
+        return self.found > self.limit
+
     def check(self) -> None:
         """TooLarge once the request's faces found so far are past its budget."""
-        if self.found > self.limit:
+        if self.spent:
             raise TooLarge(f"this request's photos hold more than {self.limit} faces (at least {self.found}), the "
                            "most one request may have classified (VITSERVE_FACE_REQUEST_MAX, within the model's "
                            "queue limit): send fewer photos at once, or ask for fewer max_faces", "too_many_faces")

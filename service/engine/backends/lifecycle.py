@@ -10,9 +10,7 @@ status, problems, generation), which the backend's batches read, and asks the ba
 and stop the batching of a graph.
 """
 import asyncio
-import ctypes
 import dataclasses
-import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +22,7 @@ import numpy as np
 
 from repository import ModelEntry, find_entries, model_manifests, servable
 from service.core.errors import BadInput, NotFound, ServiceError
+from service.core.memory import release_memory
 from service.core.metrics import Metrics
 from service.core.settings import Settings
 
@@ -375,14 +374,6 @@ class ModelLifecycle:
         rows += [{"name": folder, "state": "UNAVAILABLE", "reason": why} for folder, why in self.problems.items()
                  if folder not in self.status]
         return rows
-
-
-def release_memory() -> None:
-    """A released session's memory back to the system: glibc keeps freed heap for reuse otherwise, and a reload's
-    RSS would not come down (no-op on another libc)."""
-    gc.collect()
-    with suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def input_names(entry: ModelEntry) -> tuple[str, str]:

@@ -8,6 +8,7 @@ import numpy as np
 from fastapi import APIRouter, Query, Request, Response
 
 from service.core.errors import BadInput
+from service.core.memory import release_memory
 from service.core.urgency import PRIORITY, TIMEOUT_MS, from_query
 from service.engine.heads import Classifier, Task
 from service.pipeline.faces import DetectorSettings, FaceBudget, Faces, FoundFaces
@@ -71,6 +72,8 @@ async def expression(
     # before any batch), then each photo's faces in a batch of their own (which the batcher merges with the others')
     found = await asyncio.gather(*(pipeline.find_faces(data, detect, detector, budget) for _, _, data in uploads),
                                  return_exceptions=True)
+    if budget.spent:  # refused: what its photos' decodes and detections took back to the system, not kept at its peak
+        await asyncio.get_running_loop().run_in_executor(pipeline.decode_pool, release_memory)
     budget.check()
     raise_for_request(found)
 
