@@ -22,6 +22,7 @@ from jsonschema import ValidationError
 
 from models import WeightsError
 from models.data import DataError
+from models.hf_folder import POOLINGS
 
 from .face_detector import export_face_detector
 from .parity import ParityError
@@ -61,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "a server loads the latest (POST /v2/repository/models/NAME/load, or polling)")
     p.add_argument("--eval-data", type=Path, help="held-out ImageFolder for accuracy and the fp16/int8 gate")
     p.add_argument("--no-explain", action="store_true", help="skip the explain graph (rollout maps)")
+    p.add_argument("--pooling", choices=list(POOLINGS),
+                   help="a Hugging Face folder's embedding, in place of the model's own (its pooler_output, or CLIP's "
+                        "image_embeds): the final-norm [CLS] token, the mean of the patch tokens, both side by side "
+                        "(DINOv2's linear probes), or the ViT/DeiT pooler; the manifest's embedding.pooling says which")
     return p.parse_args(argv)
 
 

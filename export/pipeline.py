@@ -361,7 +361,9 @@ def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, 
 def export_model(args) -> Path:
     log = Progress()
     if is_folder(args.model):
-        return _export(args, read_folder(args.model, args.task), log)
+        return _export(args, read_folder(args.model, args.task, args.pooling), log)
+    if args.pooling is not None:
+        raise ExportError("--pooling chooses a Hugging Face folder's embedding; a registry model's is its own")
     if get_spec(args.model).builder not in (VisionTransformer, SwinTransformer) and args.precision != "fp32":
         raise ExportError(f"{args.model} exports in fp32 only (fp16 and int8 are gated for the transformers)")
     return _export(args, None, log)

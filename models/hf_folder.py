@@ -9,7 +9,9 @@ DeiTModel and SwinModel, Dinov2Model, Dinov2WithRegistersModel, CLIPVisionModel 
 `read_folder` turns it into a `ModelSpec` (the architecture from the config, the labels from id2label, the input
 policy from the image processor) and a state dict in timm's names: q, k and v joined into qkv, the rest renamed
 (the key map: docs/export.md, "From Hugging Face" and "Embedding folders"). A folder without classifier weights is
-an embedding model: no labels, task "embedding", num_classes 0, its embedding what transformers gives (`pool`).
+an embedding model: no labels, task "embedding", num_classes 0, its embedding what transformers gives as the
+model's own: `pooler_output` (the ViT and DeiT pooler, where the folder has one; DINOv2's final-norm [CLS]; Swin's
+mean of the last tokens), or CLIP's `image_embeds`; `pooling` (python -m export --pooling) chooses another.
 Every setting this cannot serve exactly is refused with one sentence naming the key and its value, so that a model
 never answers differently from transformers in silence.
 """
@@ -47,6 +49,9 @@ PROCESSOR_DEFAULTS = {
     "CLIPImageProcessor": _SHORT_SIDE_CROP,
 }
 SERVED = ("vit", "deit", "swin", "dinov2", "dinov2_with_registers", "clip_vision_model")
+# --pooling's choices: an embedding folder's pooling by another name than the model's own (VisionTransformer's
+# global_pool); Swin's is its tokens' mean alone
+POOLINGS = {"cls": "token", "mean": "avg", "cls+mean": "token_avg", "pooler": "pooler"}
 EXPRESSIONS = {"angry", "anger", "disgust", "disgusted", "fear", "fearful", "happy", "happiness", "sad", "sadness",
                "surprise", "surprised", "neutral", "contempt"}
 # per block, transformers' module path -> ours (timm's), after q, k and v are joined
@@ -89,8 +94,9 @@ def is_folder(path: str | Path) -> bool:
     return (Path(path) / "config.json").is_file()
 
 
-def read_folder(folder: str | Path, task: str | None = None) -> HFModel:
-    """The folder as a spec and weights in our names; WeightsError naming what cannot be served as it is."""
+def read_folder(folder: str | Path, task: str | None = None, pooling: str | None = None) -> HFModel:
+    """The folder as a spec and weights in our names, its embedding pooled as the model pools it, or by `pooling`
+    (POOLINGS); WeightsError naming what cannot be served as it is."""
     folder = Path(folder)
     config = _json(folder / "config.json")
     kind = config.get("model_type")
@@ -117,6 +123,8 @@ def read_folder(folder: str | Path, task: str | None = None) -> HFModel:
         arch, state = _dinov2(config, state, img_size)
     else:
         arch, state = _vit(config, state)
+    if pooling is not None:
+        arch, state = _pooled(kind, arch, state, pooling)
     name = (config.get("architectures") or [kind])[0]
     if not any(k.startswith("head.") for k in state):  # no classifier: an embedding model
         if task not in (None, "embedding"):
@@ -132,6 +140,25 @@ def read_folder(folder: str | Path, task: str | None = None) -> HFModel:
               **({"transformers_version": config["transformers_version"]} if "transformers_version" in config else {})}
     scores = "sigmoid" if config.get("problem_type") == "multi_label_classification" else "softmax"
     return HFModel(spec, state, scores, source, files)
+
+
+def _pooled(kind: str, arch: dict, state: dict[str, torch.Tensor], pooling: str) -> tuple[dict, dict]:
+    """The architecture pooling its embedding by `pooling` (POOLINGS) in place of the model's own, the pooler's
+    weights left out where it is not used; WeightsError where the folder cannot pool so."""
+    if pooling not in POOLINGS:
+        raise WeightsError(f"--pooling {pooling}: one of {', '.join(POOLINGS)}")
+    if kind == "swin":
+        if pooling != "mean":
+            raise WeightsError(f"--pooling {pooling}: Swin has no [CLS] token and no pooler; its embedding is the "
+                               "mean of its last tokens (--pooling mean)")
+        return arch, state
+    if arch.get("proj_dim") and pooling != "cls":
+        raise WeightsError(f"--pooling {pooling}: CLIP's visual projection reads the final-norm [CLS] alone "
+                           "(--pooling cls, its image_embeds)")
+    if pooling == "pooler" and "pooler.0.weight" not in state:
+        raise WeightsError("--pooling pooler: the folder has no pooler (pooler.dense); --pooling cls, mean or cls+mean")
+    kept = {k: v for k, v in state.items() if pooling == "pooler" or not k.startswith("pooler.")}
+    return {**arch, "global_pool": POOLINGS[pooling]}, kept
 
 
 def _refuse(condition: bool, key: str, value, why: str) -> None:
@@ -203,22 +230,28 @@ def _renamed(state: dict[str, torch.Tensor], rules: list[tuple[str, str]]) -> di
 def _vit(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
     """ViT or DeiT: the architecture's arguments and the state dict in our names."""
     prefix = next((p for p in ("vit.", "deit.") if any(k.startswith(p) for k in state)), "")
-    # the base model's pooler (dense + tanh) is not its embedding: the final-norm [CLS] is (last_hidden_state[:, 0])
-    state = {k.removeprefix(prefix): v for k, v in state.items()
-             if not k.startswith((f"{prefix}pooler.", f"{prefix}embeddings.mask_token"))}
+    # the base model's pooler (dense + tanh on [CLS]) makes its pooler_output, the embedding where there is one
+    state = {k.removeprefix(prefix): v for k, v in state.items() if not k.startswith(f"{prefix}embeddings.mask_token")}
     classifier = any(k in state for k in ("classifier.weight", "cls_classifier.weight"))
     depth, dim = config["num_hidden_layers"], config["hidden_size"]
+    if "pooler.dense.weight" in state:  # the embedding: transformers' ViTPooler / DeiTPooler, as this builds it
+        _refuse(config.get("pooler_act", "tanh") != "tanh", "pooler_act", config.get("pooler_act"),
+                "the pooler is built with tanh")
+        _refuse(config.get("pooler_output_size", dim) != dim, "pooler_output_size", config.get("pooler_output_size"),
+                f"the pooler is built to hidden_size {dim}")
     rules = _encoder(state, depth, "encoder.layer", "attention.attention.", ("query", "key", "value"), _VIT_BLOCK)
     rules += [(rf"embeddings\.{re.escape(theirs)}(\.weight|\.bias|)", rf"{ours}\1")
               for theirs, ours in _VIT_EMBEDDINGS.items()]
     rules += [(r"layernorm\.(weight|bias)", r"norm.\1"), (r"(cls_)?classifier\.(weight|bias)", r"head.\2"),
-              (r"distillation_classifier\.(weight|bias)", r"head_dist.\1")]
+              (r"distillation_classifier\.(weight|bias)", r"head_dist.\1"),
+              (r"pooler\.dense\.(weight|bias)", r"pooler.0.\1")]
     distilled = "embeddings.distillation_token" in state
     arch = dict(patch_size=config["patch_size"], embed_dim=dim, depth=depth, num_heads=config["num_attention_heads"],
                 mlp_ratio=config["intermediate_size"] / dim, qkv_bias=config.get("qkv_bias", True),
                 # a base DeiT pools both tokens: timm's pre-logits of the distilled DeiT
                 distilled=distilled, dist_head="distillation_classifier.weight" in state or not classifier,
-                norm_eps=config.get("layer_norm_eps", 1e-12))
+                norm_eps=config.get("layer_norm_eps", 1e-12),
+                global_pool="pooler" if "pooler.dense.weight" in state else "token")
     return arch, _renamed(state, rules)
 
 
@@ -258,8 +291,8 @@ def _swin(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str,
 
 
 def _dinov2(config: dict, state: dict[str, torch.Tensor], img_size: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Dinov2Model or Dinov2WithRegistersModel: the architecture's arguments (layer scale, registers, the linear
-    probes' [CLS] + patch-mean embedding) and the state dict in our names, the position embedding resized to
+    """Dinov2Model or Dinov2WithRegistersModel: the architecture's arguments (layer scale, registers; the embedding
+    its pooler_output, the final-norm [CLS]) and the state dict in our names, the position embedding resized to
     `img_size`'s grid as transformers resizes it on every call."""
     registers = config["model_type"] == "dinov2_with_registers"
     _refuse(config.get("use_swiglu_ffn", False), "use_swiglu_ffn", True,
@@ -289,7 +322,7 @@ def _dinov2(config: dict, state: dict[str, torch.Tensor], img_size: int) -> tupl
     arch = dict(patch_size=patch, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=config.get("mlp_ratio", 4),
                 qkv_bias=config.get("qkv_bias", True), norm_eps=config.get("layer_norm_eps", 1e-6),
                 init_values=1.0,  # any: the folder's lambda1 replace it
-                reg_tokens=config.get("num_register_tokens", 4) if registers else 0, global_pool="token_avg")
+                reg_tokens=config.get("num_register_tokens", 4) if registers else 0)
     return arch, _renamed(state, rules)
 
 

@@ -78,6 +78,10 @@ class Block(nn.Module):
         return (x, probs) if query_rows else x
 
 
+# global_pool's choices (the embedding): "token" [CLS], "avg" the patch tokens' mean, both side by side, the pooler
+POOLINGS = ("token", "avg", "token_avg", "pooler")
+
+
 class VisionTransformer(nn.Module):
     """ViT / DeiT classifier; `distilled=True` adds DeiT's distillation token and second head, and with
     `dist_head=False` the token alone: the classifier reads [CLS] only (transformers' DeiTForImageClassification,
@@ -87,10 +91,11 @@ class VisionTransformer(nn.Module):
     `init_values`: a LayerScale (`ls1`, `ls2`: timm's `gamma`) on each block's two branches. `reg_tokens`: that many
     register tokens (`reg_token` [1, R, D]) after [CLS] (and the distillation token), without a position embedding, as
     DINOv2 and transformers place them; the position embedding covers [CLS] (and dist) and the patches.
-    `global_pool`: "token" ([CLS]), or "token_avg", [CLS] concatenated with the mean of the patch tokens (registers
-    left out). `pre_norm`: a LayerNorm (`norm_pre`) on the embedded tokens and, as in timm, no bias in the patch
-    projection. `act_layer`: the MLP's, "gelu" or "quick_gelu". `proj_dim`: a Linear without bias (`proj`) from the
-    pooled feature to that size."""
+    `global_pool` (the embedding): "token" ([CLS]), "avg" (the mean of the patch tokens, registers left out),
+    "token_avg" ([CLS] concatenated with that mean) or "pooler" (transformers' ViT and DeiT pooler, a Linear and a tanh
+    on [CLS]: `pooler`). `pre_norm`: a LayerNorm (`norm_pre`) on the embedded tokens and, as in timm, no bias in the
+    patch projection. `act_layer`: the MLP's, "gelu" or "quick_gelu". `proj_dim`: a Linear without bias (`proj`) from
+    the pooled feature to that size."""
 
     def __init__(
         self,
@@ -121,8 +126,8 @@ class VisionTransformer(nn.Module):
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.distilled = distilled
-        if global_pool not in ("token", "token_avg"):
-            raise ValueError(f"global_pool {global_pool!r}: token and token_avg are built")
+        if global_pool not in POOLINGS:
+            raise ValueError(f"global_pool {global_pool!r}: {', '.join(POOLINGS)} are built")
         self.global_pool = global_pool
         self.num_class_tokens = 2 if distilled else 1  # [CLS] (and dist): the tokens with a position embedding
         self.num_prefix_tokens = self.num_class_tokens + reg_tokens
@@ -150,6 +155,7 @@ class VisionTransformer(nn.Module):
         self.head_dist = nn.Linear(embed_dim, num_classes) if distilled and dist_head and num_classes else None
         self.pool_dist = distilled and dist_head  # the embedding averages both tokens, as the two heads do
         pooled = 2 * embed_dim if global_pool == "token_avg" else embed_dim
+        self.pooler = nn.Sequential(nn.Linear(embed_dim, embed_dim), nn.Tanh()) if global_pool == "pooler" else None
         self.proj = nn.Linear(pooled, proj_dim, bias=False) if proj_dim else nn.Identity()
         self._init_weights()
 
@@ -186,18 +192,28 @@ class VisionTransformer(nn.Module):
         return self.norm(self.blocks(self._embed(x)))
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalised tokens -> the pre-logits feature, timm's: the [CLS] token, or for a DeiT with both heads the
-        mean of [CLS] and the distillation token (what the two averaged heads read), or with global_pool "token_avg"
-        [CLS] and the patch tokens' mean side by side; then `proj` where there is one."""
+        """Normalised tokens -> the embedding, by `global_pool`: for "token" timm's pre-logits feature, the [CLS]
+        token, or for a DeiT with both heads the mean of [CLS] and the distillation token (what the two averaged
+        heads read); then `proj` where there is one."""
         if self.global_pool == "token_avg":
-            return self.proj(torch.cat([x[:, 0], row_mean(x[:, self.num_prefix_tokens:])], dim=-1))
-        return self.proj((x[:, 0] + x[:, 1]) / 2 if self.pool_dist else x[:, 0])
+            feature = torch.cat([x[:, 0], row_mean(x[:, self.num_prefix_tokens:])], dim=-1)
+        elif self.global_pool == "avg":
+            feature = row_mean(x[:, self.num_prefix_tokens:])
+        elif self.global_pool == "pooler":
+            feature = self.pooler(x[:, 0])
+        else:
+            feature = (x[:, 0] + x[:, 1]) / 2 if self.pool_dist else x[:, 0]
+        return self.proj(feature)
 
     @property
     def embedding_pooling(self) -> str:
         """What `pool` makes the embedding of (the manifest's embedding.pooling)."""
         if self.global_pool == "token_avg":
             pooling = "final-norm [CLS] token and the mean of the final-norm patch tokens, concatenated"
+        elif self.global_pool == "avg":
+            pooling = "mean of the final-norm patch tokens"
+        elif self.global_pool == "pooler":
+            pooling = "the pooler (a linear map and tanh) on the final-norm [CLS] token"
         elif self.pool_dist:
             pooling = "mean of the final-norm [CLS] and distillation tokens"
         else:

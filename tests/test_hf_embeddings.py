@@ -6,6 +6,7 @@ photo through our decode. transformers is a test dependency only: the converter 
 import dataclasses
 import io
 import json
+import re
 import shutil
 from collections.abc import Callable
 from functools import cache
@@ -60,19 +61,19 @@ class Folder(NamedTuple):
 
 FOLDERS = {
     "vit": Folder(transformers.ViTModel, transformers.ViTConfig(**VIT, intermediate_size=64),
-                  transformers.ViTImageProcessor(size={"height": 32, "width": 32}), _cls),
+                  transformers.ViTImageProcessor(size={"height": 32, "width": 32}), lambda out: out.pooler_output),
     "deit": Folder(transformers.DeiTModel, transformers.DeiTConfig(**VIT, intermediate_size=64),
                    transformers.DeiTImageProcessor(size={"height": 37, "width": 37}, crop_size=32),
-                   lambda out: (out.last_hidden_state[:, 0] + out.last_hidden_state[:, 1]) / 2),
+                   lambda out: out.pooler_output),
     "swin": Folder(transformers.SwinModel,
                    transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
                                            window_size=4),
                    transformers.ViTImageProcessor(size={"height": 32, "width": 32}, resample=3),
                    lambda out: out.pooler_output),
-    "dinov2": Folder(transformers.Dinov2Model, transformers.Dinov2Config(**DINOV2), BIT, _linear_probe(0)),
+    "dinov2": Folder(transformers.Dinov2Model, transformers.Dinov2Config(**DINOV2), BIT, _cls),
     "dinov2-registers": Folder(transformers.Dinov2WithRegistersModel,
                                transformers.Dinov2WithRegistersConfig(**DINOV2, num_register_tokens=REGISTERS), BIT,
-                               _linear_probe(REGISTERS)),
+                               _cls),
     "clip-projection": Folder(transformers.CLIPVisionModelWithProjection,
                               transformers.CLIPVisionConfig(**VIT, intermediate_size=64, projection_dim=16),
                               transformers.CLIPImageProcessor(size={"shortest_edge": 32},
@@ -169,7 +170,7 @@ def test_an_embedding_folders_fp16_export_is_gated_by_its_embeddings_where_it_ru
 def test_a_base_folder_is_exported_as_an_embedding_model(embedding_repo, name):
     repo, _ = embedding_repo
     found = manifest(repo, name)
-    size = {"clip-projection": 16, "dinov2": 64, "dinov2-registers": 64}.get(name, 32)
+    size = {"clip-projection": 16}.get(name, 32)
     assert found["task"] == "embedding" and found["labels"] == []
     assert found["embedding"]["output"] == "embeddings" and found["embedding"]["size"] == size
     attention = {"swin": ["attention"], "deit": ["cls_attention", "dist_attention"]}.get(name, ["cls_attention"])
@@ -190,13 +191,42 @@ def test_the_graph_embeds_the_processors_pixels_as_transformers_does(embedding_r
 
 
 @pytest.mark.parametrize("name", ["dinov2", "dinov2-registers"])
-def test_dinov2s_embedding_begins_with_transformers_pooler_output(embedding_repo, name):
+def test_dinov2s_embedding_is_transformers_pooler_output_its_final_norm_cls(embedding_repo, name):
     repo, folders = embedding_repo
     pixel_values = processor_pixels(folders[name], jpegs())
     out = transformers_output(folders[name], pixel_values)
     got = embed(repo, name, pixel_values)
-    np.testing.assert_allclose(got[:, :32], out.pooler_output.numpy(), atol=ATOL, rtol=0)
-    np.testing.assert_allclose(got[:, :32], out.last_hidden_state[:, 0].numpy(), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(got, out.pooler_output.numpy(), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(got, out.last_hidden_state[:, 0].numpy(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name,pooling,pooled", [
+    ("dinov2-registers", "cls+mean", _linear_probe(REGISTERS)), ("vit", "cls", _cls),
+    ("vit", "mean", lambda out: out.last_hidden_state[:, 1:].mean(1)),
+    ("deit", "pooler", lambda out: out.pooler_output)])
+def test_pooling_chooses_another_embedding_and_the_manifest_says_which(tmp_path, embedding_repo, name, pooling,
+                                                                        pooled):
+    """--pooling in place of the model's own: the linear probes' [CLS] and patch mean of DINOv2, a ViT's [CLS] or its
+    patch tokens' mean where its own is the pooler's, and the pooler named where it is the model's own anyway."""
+    _, folders = embedding_repo
+    export_main([str(folders[name]), "--out", str(tmp_path), "--no-explain", "--pooling", pooling])
+    pixel_values = processor_pixels(folders[name], jpegs())
+    got, want = embed(tmp_path, name, pixel_values), pooled(transformers_output(folders[name], pixel_values)).numpy()
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    assert manifest(tmp_path, name)["embedding"]["size"] == want.shape[1]
+    assert manifest(tmp_path, name)["embedding"]["pooling"] == {
+        "cls+mean": "final-norm [CLS] token and the mean of the final-norm patch tokens, concatenated",
+        "cls": "final-norm [CLS] token", "mean": "mean of the final-norm patch tokens",
+        "pooler": "the pooler (a linear map and tanh) on the final-norm [CLS] token"}[pooling]
+
+
+@pytest.mark.parametrize("name,pooling,refusal", [
+    ("swin", "cls", "Swin has no [CLS] token"), ("dinov2", "pooler", "the folder has no pooler"),
+    ("clip-projection", "mean", "CLIP's visual projection reads the final-norm [CLS] alone")])
+def test_a_pooling_the_folder_cannot_make_is_refused_saying_why(tmp_path, embedding_repo, name, pooling, refusal):
+    with pytest.raises(SystemExit, match=re.escape(refusal)):
+        export_main([str(embedding_repo[1][name]), "--out", str(tmp_path), "--no-explain", "--pooling", pooling])
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 @pytest.mark.parametrize("name", ["dinov2", "dinov2-registers"])
