@@ -366,15 +366,17 @@ def slow_avif() -> bytes:
 
 def test_a_deadline_passes_between_the_files_of_a_slow_decode_and_on_a_photo_without_faces(url):
     """40 files, each a tenth of a second or more of decoding, and a deadline of 1 s: the 504 comes between two of
-    them, and the rest are never decoded; a photo's deadline is checked before its decode, with no batch to wait
-    for (the message says where each request stopped)."""
+    them, and the rest are never decoded; a face-less photo's deadline is checked on its own way (before its decode,
+    before or after its face detection), with no batch to wait for (the message says where each request stopped)."""
     r = post(url, "/classify", [(f"{i}.avif", slow_avif()) for i in range(40)], field="files", timeout_ms=1000)
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
     stopped = re.search(r"deadline passed after (\d+) of its 40 images' decode", r.json()["error"]["message"])
     assert stopped and 0 < int(stopped[1]) < 40, r.text  # between files: after the first, before the last
     r = post(url, "/expression", [("chelsea.jpg", JPEG)], timeout_ms=1)
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
-    assert "deadline passed before its decode" in r.json()["error"]["message"], r.text
+    # at one of the photo's own checks (which, the host's speed decides), with no batch to wait for
+    assert re.search(r"deadline passed (before its decode|before its face detection|after its face detection) on",
+                     r.json()["error"]["message"]), r.text
     serves(url)
 
 
