@@ -6,7 +6,9 @@ backends, and Triton's client as is.
 into shapes-vit's folder (or its version folder shapes-vit/2/) with a manifest that names it shapes-vit.
 """
 import json
+import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -18,8 +20,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
-from service_process import (ROOT, direct_probabilities, free_port, metric, model_pixels, photo_bytes,
-                             running_service, write_model)
+from service_process import (ROOT, direct_probabilities, free_port, metric, model_pixels, photo_bytes, role_pids,
+                             running_service, service_and_process, write_model)
 from tritonclient.utils import InferenceServerException
 
 from repository import find_entries, scan, sha256
@@ -291,3 +293,27 @@ def test_versions_serve_side_by_side_by_policy_and_a_new_version_may_change_the_
             f"{url}/v2/repository/index").json() if row["name"] == "shapes-vit"} == {
             ("shapes-vit", "1"): "UNAVAILABLE", ("shapes-vit", "2"): "UNAVAILABLE", ("shapes-vit", "3"): "READY"}
         assert c.get(f"{url}/v2/models/shapes-vit/versions/2/ready").status_code == 404
+
+
+def test_a_new_inference_process_serves_the_folder_as_it_is_now_and_the_workers_follow_it(tmp_path):
+    """Under the process backend, with nothing reloading models: the folder re-exported with other labels while
+    serving, then the inference process killed; the one that replaces it reads the folder anew, and the workers'
+    answers follow its manifest (they kept their pipeline of the old one, as a restart counts loads from 1 again)."""
+    write_model(tmp_path / "shapes-vit", REPO / "shapes-vit", "shapes-vit")
+    labels = json.loads((REPO / "shapes-vit" / "manifest.json").read_text())["labels"]
+    renamed = [f"{label}-2" for label in labels]
+
+    def top_label(url: str) -> str | None:
+        r = httpx.post(f"{url}/classify", files={"file": ("a.jpg", JPEG)}, timeout=30)
+        return r.json()["results"][0]["predictions"][0]["label"] if r.status_code == 200 else None
+
+    with service_and_process(model_repository=tmp_path, backend="process", workers=1) as (url, process):
+        before = top_label(url)
+        write_model(tmp_path / "shapes-vit", REPO / "shapes-vit", "shapes-vit", labels=renamed)
+        (inference,) = role_pids(process.pid, "vitserve-infer")
+        os.kill(inference, signal.SIGKILL)
+        deadline = time.monotonic() + 120  # a liveness bound, not a measurement
+        while (after := top_label(url)) != f"{before}-2":
+            assert time.monotonic() < deadline, f"the workers still answer {after!r}, not {before}-2"
+            time.sleep(0.1)
+    assert before in labels

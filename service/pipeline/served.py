@@ -95,9 +95,12 @@ class Pipelines:
             if s is None or s.unloaded:
                 continue
             pipeline = self.pipelines.get(entry.key)
-            if pipeline is not None and pipeline.loads != s.loads and self.responses is not None:
+            # the same load of the same manifest: a new inference process (its loads counted from 1 again) may have
+            # read a folder changed on disk
+            same = pipeline is not None and pipeline.loads == s.loads and pipeline.entry.manifest == entry.manifest
+            if pipeline is not None and not same and self.responses is not None:
                 self.responses.forget(entry.key)  # reloaded: its answers may not be the new weights'
-            live[entry.key] = pipeline if pipeline is not None and pipeline.loads == s.loads else Pipeline(
+            live[entry.key] = pipeline if same else Pipeline(
                 entry, self.backend, self.decode_pool, self.settings, self.metrics, self.detector,
                 self.detector_problem, s.loads, self.responses)
         latest: dict[str, Pipeline] = {}
