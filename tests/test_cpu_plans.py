@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
+from pydantic import ValidationError
 from service_process import ROOT, model_pixels, photo_bytes, role_pids, service_and_process
 
 from models.synthetic import sample_rng
@@ -181,6 +182,42 @@ def test_auto_measures_once_per_host_and_graph_and_only_where_asked_or_where_the
     assert len(counted) == 3
     serving = chosen(batches=(1, 8), now=False)  # a key nothing was kept for
     assert len(counted) == 3 and serving.plan == verified(entry)[0] and "not measured beside" in serving.reason
+
+
+def test_a_kept_choice_that_is_garbled_names_no_plan_here_or_cannot_be_written_is_measured_anew(tmp_path,
+                                                                                                  monkeypatch):
+    """The folder of kept choices is a cache: what it holds is checked, never trusted. Not JSON, a record of another
+    shape, a plan this host does not run: each measured anew and kept over it. A folder that cannot be written to
+    serves all the same, saying so."""
+    entry, counted = read_entry(SOURCE), []
+    measure = cpu_plans.measure
+    monkeypatch.setattr(cpu_plans, "measure", lambda *args: counted.append(args) or measure(*args))
+
+    def chosen(folder: Path):
+        return choose(entry, input_names(entry), [1, 16], "auto", keep_in=folder)
+
+    first = chosen(tmp_path)
+    (kept,) = tmp_path.glob("*.json")
+    record = json.loads(kept.read_text())
+    for garbled in (b"\x00not json", json.dumps({**record, "measured": "fast"}).encode(),
+                    json.dumps({**record, "plan": "openvino:fp64"}).encode(), json.dumps([record]).encode()):
+        kept.write_bytes(garbled)
+        again = chosen(tmp_path)
+        assert again.reason.startswith(("the fastest here", "within 10%")), (garbled, again.reason)
+        assert json.loads(kept.read_text())["plan"] == again.plan.name  # kept over the garbled one
+    assert len(counted) == 5 and first.plan in {p for p in verified(entry) if why_not(p) is None}
+    blocked = tmp_path / "a-file-not-a-folder"
+    blocked.write_text("")
+    unkept = chosen(blocked / "plans")
+    assert f"(not kept in {blocked / 'plans'}, " in unkept.reason and unkept.reason.endswith("each start measures)")
+
+
+def test_a_plan_setting_outside_its_grammar_is_refused_at_start_up():
+    for setting in ("fastest", "onnxruntime:fp64", "tensorrt:fp16", "shapes-deit=", "=openvino:fp32",
+                    "shapes-deit=openvino:fp32;first", "auto,", "a b=first", "x" * 10 + "=openvino:bf16 "):
+        with pytest.raises(ValidationError):
+            Settings(cpu_plan=setting)
+    assert Settings(cpu_plan="shapes-deit=openvino:fp32,shapes-vit@2=first,measure").cpu_plan
 
 
 @pytest.mark.parametrize("plan", PLANS)

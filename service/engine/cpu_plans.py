@@ -179,8 +179,8 @@ def choose(entry: ModelEntry, inputs: tuple[str, str], batches: list[int], setti
     measured = measure(runners, entry.policy.size, batches)
     best, why = pick({plan: math.exp(statistics.fmean(math.log(measured[plan.name][str(b)]) for b in batches))
                       for plan in runnable})
-    if keep_in is not None:
-        kept_plans.keep(keep_in, key, best.name, measured)
+    if keep_in is not None and (unkept := kept_plans.keep(keep_in, key, best.name, measured)) is not None:
+        note += f" (not kept in {keep_in}, {unkept}: each start measures)"
     return Choice(best, runners[best], why + note, measured)
 
 

@@ -56,14 +56,19 @@ def kept(folder: Path, key: dict) -> dict | None:
         record = json.loads(_path(folder, key).read_text())
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and record.get("key") == key and "plan" in record else None
+    whole = isinstance(record, dict) and record.get("key") == key and isinstance(record.get("plan"), str)
+    return record if whole and isinstance(record.get("measured"), dict) else None
 
 
-def keep(folder: Path, key: dict, plan: str, measured: dict[str, dict[str, float]]) -> Path:
-    """The choice written for the key, atomically (a process reading it meanwhile sees the old one or the new)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = _path(folder, key)
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    part.write_text(json.dumps({"key": key, "plan": plan, "measured": measured}, indent=1))
-    part.replace(path)
-    return path
+def keep(folder: Path, key: dict, plan: str, measured: dict[str, dict[str, float]]) -> str | None:
+    """The choice written for the key, atomically (a process reading it meanwhile sees the old one or the new);
+    why it could not be, where it could not (a folder this user may not write: each start then measures)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = _path(folder, key)
+        part = path.with_name(f".{path.name}.{os.getpid()}.part")
+        part.write_text(json.dumps({"key": key, "plan": plan, "measured": measured}, indent=1))
+        part.replace(path)
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return None
