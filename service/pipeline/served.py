@@ -73,12 +73,23 @@ class Pipelines:
 
     @property
     def ready(self) -> bool:
-        """Nothing loading, and every model of the repository serving (VITSERVE_STRICT_READINESS, as Triton's
-        --strict-readiness: a balancer sends no traffic to a server missing a model), else one at least."""
-        status = self.backend.status().values()
-        if self.backend.problem() is not None or not all(s.settled for s in status):
-            return False
-        return not self.not_serving() if self.settings.strict_readiness else any(s.ready for s in status)
+        return self.backend.problem() is None and self.unready() is None
+
+    def unready(self) -> tuple[str, str] | None:
+        """Why the server's models are not ready, as (error code, message), or None: a model still loading, or, under
+        VITSERVE_STRICT_READINESS (as Triton's --strict-readiness: a balancer sends no traffic to a server missing a
+        model), one that does not serve, else none serving. (The inference process's own trouble is the backend's
+        `problem`.)"""
+        status = self.backend.status()
+        if waiting := [name for name, s in status.items() if not s.settled]:
+            return "not_ready", f"warming up: {', '.join(waiting)}"
+        if self.settings.strict_readiness and (missing := self.not_serving()):
+            return "models_not_serving", ("not every model serves (VITSERVE_STRICT_READINESS=false: ready while one "
+                                          "does): " + "; ".join(f"{name} does not serve: {why}"
+                                                                for name, why in missing.items()))
+        if not self.settings.strict_readiness and not any(s.ready for s in status.values()):
+            return "not_ready", "no model could be loaded"
+        return None
 
     def not_serving(self) -> dict[str, str]:
         """The models of the repository that do not serve, and why: a failed load, or a folder that cannot be served

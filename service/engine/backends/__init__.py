@@ -20,6 +20,7 @@ from repository import ModelEntry
 from service.core.errors import ServiceError
 from service.explain.cache import AttentionResult
 
+from ..runtime import CUDA
 from ..shared_memory import SharedIO
 
 
@@ -60,7 +61,7 @@ class ModelStatus:
         and the precision that runs on CUDA); None before it serves."""
         if self.plan is not None or self.precision is None:
             return self.plan
-        return f"onnxruntime{'-cuda' if self.provider == 'CUDAExecutionProvider' else ''}:{self.precision}"
+        return f"onnxruntime{'-cuda' if self.provider == CUDA else ''}:{self.precision}"
 
 
 def graph_entry(entries: list[ModelEntry], status: dict[str, ModelStatus], key: str) -> ModelEntry:

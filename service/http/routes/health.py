@@ -11,14 +11,9 @@ def require_ready(request: Request) -> None:
     pipelines: Pipelines = request.app.state.pipelines
     if (problem := pipelines.backend.problem()) is not None:  # the inference process restarting, or hung
         raise problem
-    if not pipelines.ready:
-        if waiting := [name for name, s in pipelines.backend.status().items() if not s.settled]:
-            raise Unavailable(f"warming up: {', '.join(waiting)}", "not_ready", pipelines.settings.retry_after_s)
-        if missing := pipelines.not_serving():
-            raise Unavailable("not every model serves (VITSERVE_STRICT_READINESS=false: ready while one does): "
-                              + "; ".join(f"{name}: {why}" for name, why in missing.items()), "models_not_serving",
-                              pipelines.settings.retry_after_s)
-        raise Unavailable("no model could be loaded", "not_ready", pipelines.settings.retry_after_s)
+    if (why := pipelines.unready()) is not None:
+        code, message = why
+        raise Unavailable(message, code, pipelines.settings.retry_after_s)
 
 
 @router.get("/health/live", summary="200 while this HTTP process runs (a restarting inference process is a readiness "

@@ -283,10 +283,8 @@ async def ready(request: Request) -> dict:
     pipelines = _pipelines(request)
     if (problem := pipelines.backend.problem()) is not None:
         raise BadInput(problem.message, "not_ready")  # v2: 4xx means false
-    if not pipelines.ready:
-        missing = pipelines.not_serving() if all(s.settled for s in pipelines.backend.status().values()) else {}
-        raise BadInput("; ".join(f"{name} does not serve: {why}" for name, why in missing.items())
-                       or "the server is still loading its models", "not_ready")
+    if (why := pipelines.unready()) is not None:
+        raise BadInput(why[1], "not_ready")
     return {"ready": True}
 
 
