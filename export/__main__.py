@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write OUT/NAME/N, a version of the model beside the others (next: one past the latest); "
                         "a server loads the latest (POST /v2/repository/models/NAME/load, or polling)")
     p.add_argument("--eval-data", type=Path, help="held-out ImageFolder for accuracy and the fp16/int8 gate")
-    p.add_argument("--no-explain", action="store_true", help="skip the explain graph (rollout maps)")
+    p.add_argument("--no-explain", action="store_true",
+                   help="skip the explain and relevance graphs (rollout and class-specific maps)")
     p.add_argument("--pooling", choices=list(POOLINGS),
                    help="a Hugging Face folder's embedding, in place of the model's own (its pooler_output, or CLIP's "
                         "image_embeds): the final-norm [CLS] token, the mean of the patch tokens, both side by side "

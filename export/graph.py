@@ -8,7 +8,9 @@ a model without a classifier, num_classes 0, outputs it first and no logits):
   Swin:     `attention` [B, heads, H*W], the attention each last-stage token receives in the last block,
             averaged over its window's queries.
   CNNs:     the logits alone (no attention to show).
-The explain graph outputs every block's full attention probabilities (`attention_0` ...) for rollout.
+The explain graph outputs every block's full attention probabilities (`attention_0` ...) for rollout. The relevance
+graph (models/relevance.py) takes `images` and a `target` weight vector over the classes per image (a row of zeros:
+the image's top label) and outputs the logits and the class-specific `relevance` [B, rows, grid cells].
 
 Both take two inputs: `images`, uint8 [B1, H, W, 3] pixels that the graph cuts into patches and normalises with
 the model's mean/std itself, the normalisation folded into the patch embedding's weights (so the host sends a
@@ -29,11 +31,13 @@ import torch
 from torch import nn
 
 from models.layers import PatchEmbed
+from models.relevance import relevance
 from models.swin_transformer import SwinTransformer, WindowAttention
 from models.vision_transformer import VisionTransformer
 
 OPSET = 23
 IMAGES, TENSOR = "images", "pixel_values"
+TARGET, RELEVANCE = "target", "relevance"  # the relevance graph's own input and output
 EMBEDDINGS = "embeddings"  # the pre-logits feature, un-normalised (the service normalises it where asked)
 FUSED_ATTENTION = {"Attention", "com.microsoft:MultiHeadAttention", "com.microsoft:Attention"}
 
@@ -178,6 +182,8 @@ def is_embedding_model(model: nn.Module) -> bool:
 
 
 class MainGraph(nn.Module):
+    input_names = [IMAGES, TENSOR]
+
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model.eval()
@@ -205,6 +211,8 @@ class MainGraph(nn.Module):
 
 
 class ExplainGraph(nn.Module):
+    input_names = [IMAGES, TENSOR]
+
     def __init__(self, model: VisionTransformer):
         super().__init__()
         self.model = model.eval()
@@ -218,12 +226,31 @@ class ExplainGraph(nn.Module):
         return tuple(self.model.attention_probabilities(self.input(images, pixel_values)))
 
 
+class RelevanceGraph(nn.Module):
+    """uint8 images [B, H, W, 3] and targets [B, classes] -> (logits, relevance): the model's class-specific map,
+    its backward written out as forward operations (models/relevance.py). The images alone, one batch axis: the
+    service keeps every map's image as uint8 (AttentionResult.image)."""
+
+    input_names = [IMAGES, TARGET]
+    output_names = ["logits", RELEVANCE]
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model.eval()
+        self.input = input_module(model)
+
+    def forward(self, images: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        none = torch.zeros(0, 3, images.shape[1], images.shape[2])
+        return relevance(self.model, self.input(images, none), target)
+
+
 def quiet_exporter() -> None:
     """The exporter warns about every torchvision op it cannot register; torchvision is not used here."""
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 
-def export_program(module: MainGraph | ExplainGraph, img_size: int, batch: int | None = None) -> ir.Model:
+def export_program(module: MainGraph | ExplainGraph | RelevanceGraph, img_size: int, batch: int | None = None
+                   ) -> ir.Model:
     """`module` as an ONNX graph in memory, its intermediate shapes in PyTorch's symbols (one name per batch
     expression throughout, which the fusions in `export.fusion` match on).
 
@@ -231,7 +258,12 @@ def export_program(module: MainGraph | ExplainGraph, img_size: int, batch: int |
     is left in the graph (CUDA graph capture needs every node on the GPU; bench/gpu.py measures it).
     """
     quiet_exporter()
-    if batch is None:
+    if isinstance(module, RelevanceGraph):
+        classes = module.model.num_classes
+        example = (torch.zeros(2, img_size, img_size, 3, dtype=torch.uint8), torch.zeros(2, classes))
+        rows = torch.export.Dim("batch", min=1, max=4096)
+        batches = {IMAGES: {0: rows}, TARGET: {0: rows}}
+    elif batch is None:
         # batch 2 each, so that neither axis is specialised to 0 or 1; the graph runs with either at 0
         example = (torch.zeros(2, img_size, img_size, 3, dtype=torch.uint8), torch.randn(2, 3, img_size, img_size))
         batches = {IMAGES: {0: torch.export.Dim("images_batch", min=1, max=4096)},
@@ -242,7 +274,7 @@ def export_program(module: MainGraph | ExplainGraph, img_size: int, batch: int |
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            module, example, dynamo=True, opset_version=OPSET, input_names=[IMAGES, TENSOR],
+            module, example, dynamo=True, opset_version=OPSET, input_names=module.input_names,
             output_names=module.output_names, dynamic_shapes=batches, verbose=False)
     return program.model
 
@@ -261,7 +293,7 @@ def save_graph(graph: ir.Model, path: Path) -> onnx.ModelProto:
     return proto
 
 
-def export_graph(module: MainGraph | ExplainGraph, img_size: int, path: Path) -> onnx.ModelProto:
+def export_graph(module: MainGraph | ExplainGraph | RelevanceGraph, img_size: int, path: Path) -> onnx.ModelProto:
     """Export `module` to a single self-contained .onnx file at `path` and return the graph."""
     return save_graph(export_program(module, img_size), path)
 

@@ -2,9 +2,10 @@
 
 Steps: build the model and load its weights; export the main graph; prove every attention block is a fused
 op; run the parity gate; for fp16, fuse for ONNX Runtime's CUDA kernels and gate that again; convert to
-fp16/int8 and gate that against fp32; export the explain graph
-(ViT/DeiT); write and validate the manifest. Everything is built in a hidden folder beside the target
-and moved into place only when all checks passed, so a failed export leaves nothing behind.
+fp16/int8 and gate that against fp32; export the explain graph (ViT/DeiT) and the relevance graph (every classifier
+of models/relevance.py), each gated against PyTorch; write and validate the manifest. Everything is built in a
+hidden folder beside the target and moved into place only when all checks passed, so a failed export leaves nothing
+behind.
 """
 import json
 import shutil
@@ -17,18 +18,21 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import torch
 from safetensors import safe_open
 from torch import nn
 
 from models import create_model, get_spec, load_weights
 from models.hf_folder import HFModel, is_folder, read_folder
+from models.relevance import relevance_of
 from models.swin_transformer import SwinTransformer
 from models.vision_transformer import VisionTransformer
 from repository import versions
 
 from . import manifest as mf
 from .fusion import fuse_for_ort
-from .graph import (EMBEDDINGS, IMAGES, OPSET, TENSOR, ExplainGraph, MainGraph, expected_attention_blocks,
+from .graph import (EMBEDDINGS, IMAGES, OPSET, RELEVANCE, TARGET, TENSOR, ExplainGraph, MainGraph, RelevanceGraph,
+                    expected_attention_blocks,
                     export_form, export_graph, export_program, fused_attention_count, has_attention,
                     is_embedding_model, op_counts, save_graph, unfused_attention)
 from .parity import FP32_ABS_TOLERANCE, ParityError, check_fp32, check_reduced, gate_inputs, run_session, run_torch
@@ -311,6 +315,38 @@ def _explain_graph(model: nn.Module, work: Path, inputs, log: Progress) -> tuple
     return explain.output_names, worst
 
 
+def relevance_targets(n: int, classes: int) -> np.ndarray:
+    """The relevance gate's targets, every kind in one batch: the top label (zeros), one-hot labels, a weight vector."""
+    target = np.eye(classes, dtype=np.float32)[np.arange(n) % classes]
+    target[::3] = 0
+    target[1::3] = np.linspace(-1, 1, classes, dtype=np.float32)
+    return target
+
+
+def _relevance_graph(model: nn.Module, work: Path, inputs, log: Progress) -> float:
+    """relevance.onnx (the class-specific map, models/relevance.py), checked against PyTorch on the photos as uint8
+    with targets of every kind in one batch: its largest difference, relative to each map's largest value."""
+    rule = relevance_of(model)[0]
+    log(f"exporting the relevance graph ({rule}: the class-specific maps)")
+    export_graph(RelevanceGraph(export_form(model)), model.spec.img_size, work / "relevance.onnx")
+    images = inputs.photos.numpy()
+    target = relevance_targets(len(images), model.num_classes)
+    got = session_for(work / "relevance.onnx", ["CPUExecutionProvider"]).run(None, {IMAGES: images, TARGET: target})
+    with torch.no_grad():
+        want = [t.numpy() for t in RelevanceGraph(model)(torch.from_numpy(images), torch.from_numpy(target))]
+    scale = np.maximum(np.abs(want[1]).max(axis=-1, keepdims=True), 1e-6)
+    worst = max(float(np.abs(got[0] - want[0]).max()), float((np.abs(got[1] - want[1]) / scale).max()))
+    if worst > FP32_ABS_TOLERANCE:
+        raise ParityError(f"relevance graph differs from PyTorch by {worst:.3g} of its maps' largest values")
+    return worst
+
+
+def _relevance_section(model: nn.Module) -> dict:
+    rule, grid, rows = relevance_of(model)
+    names = ["cls", "dist"][:rows] if isinstance(model, VisionTransformer) else ["grid"]
+    return {"rule": rule, "grid": list(grid), "rows": names, "input": TARGET, "output": RELEVANCE}
+
+
 def _resize(spec) -> dict:
     """The manifest's resize: the short side (aspect kept), or exactly resize_to, with its longer side as the side
     of /expression's aligned face squares."""
@@ -341,6 +377,7 @@ def _manifest(args, name: str, labels: list[str], meta: dict, model: nn.Module, 
         "tensor_input": {"name": TENSOR, "dtype": "float32", "layout": "NCHW"},
         "outputs": _outputs(proto),
         **({"attention": attention} if attention else {}),
+        **({"relevance": _relevance_section(model)} if "relevance" in files else {}),
         **({"embedding": embedding} if embedding else {}),
         "precision": args.precision,
         "providers": PROVIDERS[args.precision],
@@ -389,6 +426,9 @@ def _export(args, hf: HFModel | None, log: Progress) -> Path:
         if isinstance(model, VisionTransformer) and not args.no_explain:
             explain_outputs, parity["explain_max_abs_diff"] = _explain_graph(model, work, inputs, log)
             graphs["explain"] = work / "explain.onnx"
+        if relevance_of(model) is not None and not args.no_explain:
+            parity["relevance_max_rel_diff"] = _relevance_graph(model, work, inputs, log)
+            graphs["relevance"] = work / "relevance.onnx"
         files = {kind: mf.file_entry(path) for kind, path in graphs.items()}
         manifest = _manifest(args, name, labels, meta, model, proto, counts, parity, files, explain_outputs)
         if hf:

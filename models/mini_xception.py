@@ -88,18 +88,24 @@ class MiniXception(nn.Module):
                  stem: int = 8, bn_eps: float = KERAS_BN_EPS):
         super().__init__()
         self.num_classes = num_classes
+        side = img_size - 4  # the stem's two unpadded 3 x 3 convolutions, then each stage's stride 2 (`same`)
+        for _ in widths:
+            side = -(-side // 2)
+        self.class_grid = (side, side)  # the class channels' grid before the global average (CAM's)
         self.register_buffer("luma", torch.tensor(LUMA).view(1, 3, 1, 1), persistent=False)
         self.conv1, self.bn1 = nn.Conv2d(1, stem, 3, bias=False), nn.BatchNorm2d(stem, eps=bn_eps)
         self.conv2, self.bn2 = nn.Conv2d(stem, stem, 3, bias=False), nn.BatchNorm2d(stem, eps=bn_eps)
         self.stages = nn.ModuleList(Stage(c_in, c_out, bn_eps) for c_in, c_out in zip((stem, *widths), widths))
         self.head = nn.Conv2d(widths[-1], num_classes, 3, padding=1)
 
-    def forward_grey(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, 1, H, W] grey, (x / 255 - 0.5) * 2 -> logits: the Keras model's input, before its softmax."""
+    def forward_grey(self, x: torch.Tensor, class_maps: bool = False) -> torch.Tensor:
+        """[B, 1, H, W] grey, (x / 255 - 0.5) * 2 -> logits: the Keras model's input, before its softmax. With
+        `class_maps`, the class channels before their global average instead, [B, classes, h, w] (CAM's)."""
         x = F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
         for module in self.stages:
             x = module(x)
-        return self.head(x).mean(dim=(2, 3))
+        x = self.head(x)
+        return x if class_maps else x.mean(dim=(2, 3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_grey((x * self.luma).sum(dim=1, keepdim=True))

@@ -7,7 +7,8 @@
         --teacher model_repository/expression-fer2013
 
 AdamW with a linear warm-up then cosine decay, label smoothing, random-resized-crop / flip / colour
-jitter on the batch, and DeiT's hard distillation with --teacher (the student must be a distilled DeiT):
+jitter on the batch, scenes of two shapes added to every batch for the shapes models (--two-shapes), and DeiT's
+hard distillation with --teacher (the student must be a distilled DeiT):
     loss = 1/2 CE(class head, label) + 1/2 CE(distillation head, argmax of the teacher's logits).
 The teacher is weights of a registry model (a ViT, a Swin, or the mini-Xception CNN) or an exported model, run
 by ONNX Runtime; it sees each augmented batch at its own size and normalisation (the CNN makes it grey itself),
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -39,8 +41,10 @@ from repository import RepositoryError, graph_inputs, read_entry
 
 from .augment import augment
 from .data import DataError, ImageFolder, find_splits, normalise
+from .labels import SHAPE_LABELS
 from .mini_xception import MiniXception
 from .registry import create_model, get_spec
+from .synthetic.shapes import two_shapes
 from .weights import WeightsError, load_weights
 
 
@@ -64,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drop-path", type=float, default=0.1, help="stochastic depth rate")
     p.add_argument("--crop-scale", type=float, default=0.5, help="smallest area fraction of a random crop")
     p.add_argument("--jitter", type=float, default=0.3, help="brightness/contrast/saturation jitter")
+    p.add_argument("--two-shapes", type=int, default=0, metavar="N",
+                   help="shapes data: N scenes of two shapes of two classes added to every batch, drawn anew, each "
+                        "labelled half one class and half the other (models.synthetic.shapes.two_shapes)")
     p.add_argument("--teacher", type=Path, help="teacher for hard distillation: weights, or an exported model "
                                                 "(a model repository folder, e.g. model_repository/expression-fer2013)")
     p.add_argument("--teacher-model", help="teacher's registry name (default: from the teacher file's metadata)")
@@ -156,6 +163,20 @@ def _exported_teacher(folder: Path, labels: list[str]) -> Callable[[torch.Tensor
     return targets
 
 
+def with_two_shapes(images: torch.Tensor, targets: torch.Tensor, labels: list[str], n: int, seed: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch (uint8 [B, 3, S, S], labels [B]) and n scenes of two shapes of two classes, one in each half, drawn
+    from `seed`: the labels as probabilities over `labels` (the data's), a scene's half each. A model that saw one
+    shape per image learned no answer for two, and its maps for either label spread over both
+    (docs/attention.md#why-this-label)."""
+    scenes = [two_shapes(np.random.default_rng([*seed, i]), images.shape[-1]) for i in range(n)]
+    pixels = torch.stack([torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1) for image, _, _ in scenes])
+    halves = torch.zeros(n, len(labels))
+    for i, (_, drawn, _) in enumerate(scenes):
+        halves[i, [labels.index(SHAPE_LABELS[k]) for k in drawn]] = 0.5
+    return torch.cat([images, pixels]), torch.cat([F.one_hot(targets, len(labels)).float(), halves])
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader) -> float:
     model.eval()
@@ -182,8 +203,15 @@ def train(args: argparse.Namespace) -> dict:
     depth = {"drop_path_rate": args.drop_path} if get_spec(args.model).builder is not MiniXception else {}
     model = create_model(args.model, num_classes=len(labels), img_size=args.img_size, **depth)
     model.spec = dataclasses.replace(model.spec, labels=tuple(labels))
+    started_from = None  # our trainer's run that made --weights, where its summary is beside them
     if args.weights:
         load_weights(model, args.weights, replace_head=args.replace_head)
+        if (before := args.weights.parent / "summary.json").is_file():
+            earlier = json.loads(before.read_text())
+            started_from = {k: earlier.get(k) for k in ("command", "val_accuracy", "started_from")}
+    if args.two_shapes and sorted(labels) != sorted(SHAPE_LABELS):
+        raise DataError(f"--two-shapes draws shapes of {', '.join(SHAPE_LABELS)}; the data's classes are "
+                        f"{', '.join(labels)}")
     teacher = None
     if args.teacher:
         if not getattr(model, "distilled", False):
@@ -223,6 +251,8 @@ def train(args: argparse.Namespace) -> dict:
         losses = []
         bar = tqdm(loader, desc=f"epoch {epoch + 1}/{args.epochs}", file=sys.stderr, leave=False)
         for images, targets in bar:
+            if args.two_shapes:
+                images, targets = with_two_shapes(images, targets, labels, args.two_shapes, [args.seed, epoch, step])
             x = augment(images.float() / 255, args.crop_scale, args.jitter)
             out = model(normalise(x, spec))
             if teacher is not None:
@@ -259,6 +289,7 @@ def train(args: argparse.Namespace) -> dict:
         "val_accuracy": history[-1]["val_accuracy"] if history else None,
         "history": history,
         "seconds": round(time.time() - started, 1),
+        **({"started_from": started_from} if started_from else {}),
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -11,7 +11,8 @@ from face_scenes import ASTRONAUT_FACE
 from service_process import ROOT, photo_bytes, running_service
 
 from models.labels import SHAPE_LABELS
-from models.synthetic.shapes import shapes
+from models.synthetic import sample_rng
+from models.synthetic.shapes import shapes, two_shapes
 
 playwright = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (the `test` extra)")
 CHROMIUM = shutil.which("chromium")
@@ -57,8 +58,31 @@ def test_a_photo_gets_its_top_five_and_the_attention_overlay(url, page, tmp_path
     api = httpx.post(f"{url}/classify", files={"file": ("chelsea.jpg", jpeg)}, params={"model": "shapes-deit"})
     assert page.locator("#predictions .label").first.inner_text() == api.json()["results"][0]["predictions"][0]["label"]
     assert page.is_visible("#token")  # distilled DeiT: its two tokens can be chosen
+    top = api.json()["results"][0]["predictions"][0]["label"]  # and why it gives its top label, beside the map
+    page.wait_for_function(f"document.getElementById('relevance').dataset.label === {top!r}"
+                           " && document.getElementById('relevance').naturalWidth > 0")
     (ROOT / "build").mkdir(exist_ok=True)
     page.screenshot(path=str(ROOT / "build" / "demo-page.png"), full_page=True)
+
+
+def test_a_label_of_the_top_five_shows_why_beside_the_attention_map(url, page, tmp_path):
+    """The top label's relevance map shows beside the attention map; a click on another label of the five shows
+    that label's map, the one GET /attention-map?method=relevance&label= gives."""
+    image, labels, _ = two_shapes(sample_rng(31337, 1))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    page.select_option("#model", "shapes-vit")
+    upload(page, tmp_path, "two.png", buffer.getvalue())
+    page.wait_for_function("document.querySelectorAll('#predictions li.explainable').length === 5")
+    top = page.locator("#predictions .label").first.inner_text()
+    page.wait_for_function(f"document.getElementById('relevance').dataset.label === {top!r}"
+                           " && document.getElementById('relevance').naturalWidth > 0")
+    assert page.is_visible("#photo") and page.is_visible("#relevance")
+    other = page.locator("#predictions li").nth(1)
+    label = other.get_attribute("data-label")
+    other.click()
+    page.wait_for_function(f"document.getElementById('relevance').dataset.label === {label!r}")
+    assert "explained" in other.get_attribute("class") and label in page.inner_text("#whylabel")
 
 
 @pytest.mark.parametrize("label", [3, 5])  # a star, a heart

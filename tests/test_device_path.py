@@ -26,11 +26,20 @@ INPUTS = ("images", "pixel_values")
 JPEG = photo_bytes("chelsea", "JPEG")
 
 
+def inputs_of(graph: str) -> tuple[str, str]:
+    """The graph's two inputs: the images and the float pixels, or for the relevance graph the images and targets."""
+    return ("images", "target") if graph.endswith("/relevance.onnx") else INPUTS
+
+
 def batches(graph: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Images alone, float pixels alone, and both at once, at the graph's input size."""
-    h, w = json.loads((REPO / graph).parent.joinpath("manifest.json").read_text())["input"]["size"]
+    """Images alone, float pixels alone, and both at once, at the graph's input size; for the relevance graph, images
+    and a target each."""
+    manifest = json.loads((REPO / graph).parent.joinpath("manifest.json").read_text())
+    h, w = manifest["input"]["size"]
     rng = np.random.default_rng(0)
     images, pixels = rng.integers(0, 256, (3, h, w, 3), np.uint8), rng.standard_normal((2, 3, h, w), np.float32)
+    if inputs_of(graph) != INPUTS:
+        return [(images, np.eye(len(manifest["labels"]), dtype=np.float32)[[0, 1, 0]])]
     return [(images, pixels[:0]), (images[:0], pixels), (images, pixels)]
 
 
@@ -40,15 +49,16 @@ def assert_same_runs(device: Runner, plain: Runner, graph: str) -> None:
         gathered[:] = images
         got, want = device.run(gathered, pixels), plain.run(images, pixels)
         assert list(got) == plain.output_names
+        rows = len(images) if inputs_of(graph) != INPUTS else len(images) + len(pixels)  # (targets are per image)
         for name in want:
-            assert len(got[name]) == len(images) + len(pixels)
+            assert len(got[name]) == rows
             np.testing.assert_array_equal(got[name], want[name])
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
 def test_every_embedded_graph_runs_through_the_device_path_as_a_plain_run(graph):
-    device = Runner(REPO / graph, INPUTS, [CPU], iobinding=True)
-    plain = Runner(REPO / graph, INPUTS, [CPU])
+    device = Runner(REPO / graph, inputs_of(graph), [CPU], iobinding=True)
+    plain = Runner(REPO / graph, inputs_of(graph), [CPU])
     assert device.iobinding and not plain.iobinding
     assert_same_runs(device, plain, graph)
 

@@ -183,17 +183,24 @@ def test_face_attention_maps_and_wrong_models(url):
     assert post(url, b"not an image").status_code == 415
 
 
-def test_the_cnn_refuses_attention_maps_on_every_route_and_says_it_has_none(url):
-    """expression-fer2013 has no attention outputs: 400 with code no_attention before any work, and the server
-    serves on; /models and the v2 metadata say so."""
+def test_the_cnn_has_no_attention_maps_but_its_relevance_map_on_every_route(url):
+    """expression-fer2013 has no attention outputs: its last and rollout maps are 400 no_attention before any work,
+    saying its relevance map (CAM) is there, and the server serves on; attention=true keeps its faces for that map;
+    /models and the v2 metadata say so."""
     photo = photo_bytes("astronaut", "JPEG")
     files = {"file": ("photo", photo)}
-    refused = [post(url, photo, attention="true"),
-               httpx.post(f"{url}/classify", files=files, params={"model": "expression-fer2013", "attention": "true"}),
-               httpx.post(f"{url}/attention-map", files=files, params={"model": "expression-fer2013"})]
+    kept = [post(url, photo, attention="true").json()["faces"][0]["attention_map_url"],
+            httpx.post(f"{url}/classify", files=files, params={"model": "expression-fer2013", "attention": "true"}
+                       ).json()["results"][0]["attention_map_url"]]
+    refused = [httpx.post(f"{url}/attention-map", files=files, params={"model": "expression-fer2013"}),
+               *(httpx.get(f"{url}{path}&method=rollout") for path in kept)]
     for r in refused:
         assert r.status_code == 400 and r.json()["error"]["code"] == "no_attention", r.text
         assert "expression-fer2013 has no attention" in r.json()["error"]["message"]
+        assert "method=relevance" in r.json()["error"]["message"]
+    for path in kept:
+        why = httpx.get(f"{url}{path}&method=relevance&label=happiness&format=json")
+        assert why.status_code == 200 and (why.json()["rule"], why.json()["grid_size"]) == ("cam", [4, 4]), why.text
     pixels = np.zeros((1, 64, 64, 3), np.uint8)
     v2 = httpx.post(f"{url}/v2/models/expression-fer2013/infer", json={
         "inputs": [{"name": "images", "datatype": "UINT8", "shape": list(pixels.shape),
@@ -201,7 +208,7 @@ def test_the_cnn_refuses_attention_maps_on_every_route_and_says_it_has_none(url)
         "outputs": [{"name": "cls_attention"}]})
     assert v2.status_code == 400 and "has no attention outputs" in v2.json()["error"], v2.text
     served = httpx.post(f"{url}/classify", files=files, params={"model": "expression-fer2013"})
-    assert served.status_code == 200 and served.json()["results"][0]["attention_map_url"] is None
+    assert served.status_code == 200 and served.json()["results"][0]["attention_map_url"] is None  # (not asked for)
     models = {m["name"]: m for m in httpx.get(f"{url}/models").json()["models"]}
     assert models["expression-fer2013"]["attention"] is None and not models["expression-fer2013"]["explain"]
     assert models["expression-fer2013"]["family"] == "cnn" and models["expression-vit"]["attention"] is not None

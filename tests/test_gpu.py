@@ -58,6 +58,15 @@ def test_every_route_answers_on_cuda_from_a_fresh_start():
                                params={"model": "shapes-swin"}, timeout=60)
         for drawn in (by_id, by_upload):
             assert drawn.status_code == 200 and drawn.content.startswith(b"\x89PNG"), drawn.text[:200]
+        # the relevance graph on CUDA too (fp32, as the CPU's within its 1e-4 of the map's largest value)
+        why = httpx.get(f"{url}/attention-map", params={"id": result["id"], "method": "relevance", "class": 3,
+                                                        "format": "json"}, timeout=60)
+        assert why.status_code == 200 and why.json()["rule"] == "chefer2021", why.text
+        session = ort.InferenceSession(REPO / "shapes-vit" / "relevance.onnx", providers=[CPU])
+        _, rows = session.run(None, {"images": model_pixels(REPO / "shapes-vit", jpeg)[None],
+                                     "target": np.eye(6, dtype=np.float32)[[3]]})
+        cpu = rows[0, 0].reshape(12, 12)
+        np.testing.assert_allclose(why.json()["grid"], (cpu - cpu.min()) / (cpu.max() - cpu.min()), atol=2e-4)
         embedded = httpx.post(f"{url}/embed", files={"file": ("a.jpg", jpeg)},
                               params={"model": "shapes-swin", "normalize": "false"}, timeout=60)
         assert embedded.status_code == 200, embedded.text

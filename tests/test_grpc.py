@@ -87,6 +87,39 @@ def test_both_inputs_give_a_direct_sessions_answers_and_the_rest_routes(served, 
                                       got.as_numpy("logits"))
 
 
+def test_relevance_maps_over_grpc_and_rest_take_a_target_row_per_image(served, client):
+    """The relevance outputs as a Triton client asks for them: the images and a `target` input (a weight vector over
+    the classes per image), through either backend; equal to the relevance graph run directly."""
+    x = images(3)
+    target = np.zeros((3, 6), np.float32)
+    target[1, 2], target[2] = 1, np.linspace(-1, 1, 6)  # the top label, one label, a weight vector
+    want = ort.InferenceSession(ROOT / "model_repository" / MODEL / "relevance.onnx",
+                                providers=["CPUExecutionProvider"]).run(None, {"images": x, "target": target})
+
+    def sent(module) -> list:
+        tensors = [module.InferInput("images", list(x.shape), "UINT8"), module.InferInput("target", [3, 6], "FP32")]
+        for tensor, value in zip(tensors, (x, target)):
+            tensor.set_data_from_numpy(value)
+        return tensors
+
+    got = client.infer(MODEL, sent(triton), outputs=[triton.InferRequestedOutput("relevance")], headers=dict(KEY))
+    assert [o.name for o in got.get_response().outputs] == ["relevance"]
+    scale = np.abs(want[1]).max(axis=-1, keepdims=True)
+    assert np.abs((got.as_numpy("relevance") - want[1]) / scale).max() < 1e-5
+    with triton_http.InferenceServerClient(served[0].removeprefix("http://")) as rest:
+        both = rest.infer(MODEL, sent(triton_http), headers=dict(KEY))
+        np.testing.assert_allclose(both.as_numpy("logits"), want[0], atol=1e-5)
+        np.testing.assert_array_equal(both.as_numpy("relevance"), got.as_numpy("relevance"))
+        io = rest.get_model_metadata(MODEL, headers=dict(KEY))["parameters"]["relevance"]
+        assert (io["rule"], io["input"]["name"], io["outputs"][1]["shape"]) == ("chefer2021", "target", [-1, 2, 144])
+    wrong = triton.InferInput("target", [3, 5], "FP32")
+    wrong.set_data_from_numpy(target[:, :5].copy())
+    code, message = status_of(lambda: client.infer(MODEL, [sent(triton)[0], wrong], headers=dict(KEY)))
+    assert code == "StatusCode.INVALID_ARGUMENT" and "FP32 [-1, 6]" in message
+    code, message = status_of(lambda: infer(client, x, "images", outputs=["relevance"]))
+    assert code == "StatusCode.INVALID_ARGUMENT" and "send the input 'target'" in message
+
+
 def both_inputs(module, x: np.ndarray, pixels: np.ndarray, binary: bool = True) -> list:
     """`images` and `pixel_values` as tritonclient's (http or grpc) inputs."""
     tensors = [module.InferInput("images", list(x.shape), "UINT8"),

@@ -335,7 +335,8 @@ def test_a_clip_tower_saved_with_its_vision_model_prefix_reads_the_same(embeddin
 def test_the_folders_are_served_on_embed_as_transformers_embeds_the_jpeg(embedding_repo):
     """A real server on the exported folders: POST /embed of each JPEG (un-normalised, then normalised) is
     transformers' embedding of its processor's pixels of the same photos; an embedding model refuses /classify
-    naming /embed, lists no labels, answers /v2 with the same vector, and still draws its attention map."""
+    naming /embed, lists no labels, answers /v2 with the same vector, and still draws its attention map (but no
+    relevance map: it has no labels to explain)."""
     repo, folders = embedding_repo
     photos = jpegs()
     with running_service(model_repository=repo) as url:
@@ -368,6 +369,10 @@ def test_the_folders_are_served_on_embed_as_transformers_embeds_the_jpeg(embeddi
         drawn = httpx.post(f"{url}/attention-map", files={"file": ("a.jpg", photos[0])},
                            params={"model": "dinov2-registers"}, timeout=30)
         assert drawn.status_code == 200 and drawn.content.startswith(b"\x89PNG") and "x-prediction" not in drawn.headers
+        why = httpx.post(f"{url}/attention-map", files={"file": ("a.jpg", photos[0])},  # no labels to explain
+                         params={"model": "dinov2-registers", "method": "relevance"}, timeout=30)
+        assert why.status_code == 400 and why.json()["error"]["code"] == "relevance_unavailable", why.text
+        assert "no classifier" in why.json()["error"]["message"] and listed["dinov2-registers"]["relevance"] is None
 
 
 def test_an_embedding_models_reduced_precision_gate_is_the_turn_of_its_embeddings(embedding_repo, tmp_path):

@@ -117,6 +117,39 @@ def test_a_folder_answers_a_photo_as_transformers_does_with_its_labels_and_prepr
         assert got.argmax() == want.argmax()
 
 
+def test_a_vit_folders_relevance_graph_is_chefers_rule_by_autograd_on_transformers_own_model(folders):
+    """The relevance graph exported from the folder against Chefer et al. 2021's rule computed on transformers' own
+    ViTForImageClassification (eager attention, its returned probabilities on the graph: their gradients by
+    torch.autograd.grad): within 1e-4 of each map's largest value, at batch 1 and in a batch of mixed targets."""
+    entry = folders / "repository" / "vit"
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert manifest["relevance"] == {"rule": "chefer2021", "grid": [7, 7], "rows": ["cls"], "input": "target",
+                                     "output": "relevance"}
+    model = transformers.ViTForImageClassification.from_pretrained(folders / "hf" / "vit", dtype=torch.float32,
+                                                                    attn_implementation="eager").eval()
+    policy = InputPolicy.from_manifest(manifest["input"])
+    images = np.stack([upload_input(photo_bytes(photo, "JPEG", quality=90), policy, 10**8) for photo in PHOTOS])
+    targets = np.zeros((len(images), len(LABELS)), np.float32)
+    targets[1, 2], targets[2] = 1, np.linspace(-1, 1, len(LABELS))  # the top label, one label, a weight vector
+    pixels = torch.from_numpy(((images / 255 - policy.mean) / policy.std).transpose(0, 3, 1, 2)).float()
+    with torch.enable_grad():
+        out = model(pixel_values=pixels, output_attentions=True)
+        t = torch.from_numpy(targets)
+        t = torch.where(t.abs().sum(-1, keepdim=True) == 0, torch.nn.functional.one_hot(
+            out.logits.argmax(-1), len(LABELS)).float(), t)
+        grads = torch.autograd.grad((out.logits * t).sum(), out.attentions)
+    r = torch.eye(50).expand(len(images), 50, 50)
+    for a, g in zip(out.attentions, grads):
+        r = r + (g * a).clamp(min=0).mean(dim=1) @ r
+    want = r[:, :1, 1:].detach().numpy()
+    session = ort.InferenceSession(entry / "relevance.onnx", providers=["CPUExecutionProvider"])
+    for rows in (slice(0, 1), slice(0, len(images))):
+        logits, got = session.run(None, {"images": images[rows], "target": targets[rows]})
+        np.testing.assert_allclose(logits, out.logits[rows].detach().numpy(), atol=1e-4)
+        scale = np.abs(want[rows]).max(axis=-1, keepdims=True)
+        assert np.abs((got - want[rows]) / scale).max() < 1e-4
+
+
 def test_the_folders_are_served_with_their_own_labels_maps_and_faces(folders):
     jpeg = photo_bytes("chelsea", "JPEG", quality=90)
     with running_service(model_repository=str(folders / "repository"), default_model="vit",

@@ -20,7 +20,8 @@ ENTRIES = [name for name in FOLDERS if name != "mtcnn"]  # the models; mtcnn is 
 def test_the_embedded_repository_has_every_demo_model_and_the_face_detector():
     assert FOLDERS == ["expression-fer2013", "expression-vit", "mtcnn", "shapes-deit", "shapes-swin", "shapes-vit",
                        "shapes-vit-int8"]
-    assert sum(f.stat().st_size for f in REPO.rglob("*") if f.is_file()) < 40 * 2**20
+    # small enough to clone anywhere: each model a few MB, its relevance graph (a copy of its weights) as much again
+    assert sum(f.stat().st_size for f in REPO.rglob("*") if f.is_file()) < 56 * 2**20
 
 
 @pytest.mark.parametrize("name", ENTRIES)
@@ -53,20 +54,25 @@ def test_committed_graphs_agree_with_the_committed_weights(name):
                                          for p in (REPO / name).glob("*.onnx")))
 def test_every_graph_lists_its_inputs_and_runs_them_through_iobinding(graph):
     """What every consumer of the file sees (Netron, a user's code, a server's auto-configuration): the two inputs
-    in session.get_inputs(); each batch feeds both, the one not used empty; IOBinding (the CUDA path) takes them
-    from host memory as numpy arrays and as OrtValues, with the same outputs as a plain run."""
+    in session.get_inputs() (the images and the float pixels, or for the relevance graph the images and their
+    targets); each batch feeds both, the one not used empty; IOBinding (the CUDA path) takes them from host memory as
+    numpy arrays and as OrtValues, with the same outputs as a plain run."""
     manifest = json.loads((REPO / graph).parent.joinpath("manifest.json").read_text())
     h, w = manifest["input"]["size"]
     rng = np.random.default_rng(0)
     images, pixels = rng.integers(0, 256, (2, h, w, 3), dtype=np.uint8), rng.standard_normal((3, 3, h, w), np.float32)
     session = ort.InferenceSession(REPO / graph, providers=["CPUExecutionProvider"])
-    assert [(i.name, i.type) for i in session.get_inputs()] == [("images", "tensor(uint8)"),
-                                                                  ("pixel_values", "tensor(float)")]
+    relevance = graph.endswith("/relevance.onnx")
+    second = "target" if relevance else "pixel_values"
+    assert [(i.name, i.type) for i in session.get_inputs()] == [("images", "tensor(uint8)"), (second, "tensor(float)")]
     assert session.get_overridable_initializers() == []
     outputs = [o.name for o in session.get_outputs()]
-    for feeds in (graph_inputs(images), graph_inputs(pixels), {"images": images, "pixel_values": pixels}):
+    targets = np.eye(len(manifest["labels"]), dtype=np.float32)[[0, 1]]
+    every = ([{"images": images, "target": targets}] if relevance else
+             [graph_inputs(images), graph_inputs(pixels), {"images": images, "pixel_values": pixels}])
+    for feeds in every:
         want = session.run(outputs, feeds)
-        assert len(want[0]) == sum(len(x) for x in feeds.values())
+        assert len(want[0]) == (len(images) if relevance else sum(len(x) for x in feeds.values()))
         for bind in ("numpy", "ortvalue"):
             binding = session.io_binding()
             for name, x in feeds.items():

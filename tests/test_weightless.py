@@ -29,10 +29,11 @@ def test_a_graph_travels_without_its_weights_and_runs_on_new_ones_of_the_same_sp
     with pytest.raises(Exception, match="does not match expected count"):  # never timed empty by mistake
         ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
 
-    int8 = folder / "model.int8.onnx"  # the CPU plans' graph travels the same way
-    assert sorted(refill_all(tmp_path)) == sorted([graph, int8]) and not list(tmp_path.rglob("*" + SIDECAR))
-    assert refill_all(tmp_path) == []
-    for file in ("model", "model_int8"):
+    # the CPU plans' graph and the relevance graph travel the same way
+    int8, relevance = folder / "model.int8.onnx", folder / "relevance.onnx"
+    assert sorted(refill_all(tmp_path)) == sorted([graph, int8, relevance])
+    assert not list(tmp_path.rglob("*" + SIDECAR)) and refill_all(tmp_path) == []
+    for file in ("model", "model_int8", "relevance"):
         verify_file(read_entry(folder), file)  # the manifest's sha256 follows the new weights
     after = tensors(graph)
     assert after.keys() == before.keys()

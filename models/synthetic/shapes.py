@@ -82,3 +82,20 @@ def render_shape(rng: np.random.Generator, size: int = 96, label: int | None = N
 def shapes(seed: int, count: int, size: int = 96) -> list[Sample]:
     """`count` samples, classes balanced (sample i has label i mod 6)."""
     return [render_shape(sample_rng(seed, i), size, label=i % len(LABELS)) for i in range(count)]
+
+
+def two_shapes(rng: np.random.Generator, size: int = 96, labels: tuple[int, int] | None = None
+               ) -> tuple[Image.Image, tuple[int, int], np.ndarray]:
+    """Two shapes of two different classes, the first in the left half and the second in the right, for testing
+    class-specific maps: (image, their labels, their coverage masks [2, size, size] in [0, 1])."""
+    labels = tuple(int(v) for v in rng.choice(len(LABELS), 2, replace=False)) if labels is None else labels
+    image = background(rng, size, low=0.55)
+    masks = []
+    for label, left in zip(labels, (0, size // 2)):
+        radius = rng.uniform(0.15, 0.2) * size
+        centre = (left + rng.uniform(radius + 1, size // 2 - radius - 1), rng.uniform(radius + 1, size - radius - 1))
+        mask = shape_mask(LABELS[label], size, centre, radius, rng.uniform(0, 2 * np.pi))
+        under = (image * mask[..., None]).sum((0, 1)) / mask.sum()
+        image = image * (1 - mask[..., None]) + _darker_colour(rng, under) * mask[..., None]
+        masks.append(mask)
+    return finish(rng, image), labels, np.stack(masks)

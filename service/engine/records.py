@@ -46,6 +46,21 @@ def record_dtype(entry: ModelEntry, kind: Kind) -> np.dtype:
     return np.dtype(fields, metadata={"kind": Kind(kind)})
 
 
+TARGET = "target"  # the relevance graph's second input: a weight vector over the classes per image
+
+
+@lru_cache(maxsize=256)
+def relevance_dtype(entry: ModelEntry) -> np.dtype:
+    """A record of the relevance graph (LocalBackend.relevance): the image and its target in, the logits and the map
+    out."""
+    h, w = entry.policy.size
+    section, classes = entry.manifest["relevance"], len(entry.labels)
+    cells = section["grid"][0] * section["grid"][1]
+    fields = [("image", np.uint8, (h, w, 3)), (TARGET, np.float32, (classes,)), ("logits", np.float32, (classes,)),
+              ("relevance", np.float32, (len(section["rows"]), cells))]
+    return np.dtype(fields, metadata={"kind": Kind.IMAGE})
+
+
 def output_names(entry: ModelEntry) -> list[str]:
     return [o["name"] for o in entry.manifest["outputs"]]
 

@@ -8,6 +8,10 @@ last (main graph, no extra inference):
 rollout (explain graph, ViT/DeiT): Abnar & Zuidema (2020): per layer, heads reduced, 0.5 A + 0.5 I with
   rows renormalised, multiplied from the first layer up; the token's row over the patches.
 
+relevance (relevance graph, every classifier exported with one): the map of one label, the image's top label unless
+  the request names another (models/relevance.py): Chefer et al. 2021's rule for ViT/DeiT, Grad-CAM on the final-norm
+  tokens for Swin, CAM for CNNs. The heads are combined by the rule.
+
 Heads are averaged (head=mean), maxed (head=max) or one is picked (head=<index>); token=both averages the
 [CLS] and distillation-token maps of a distilled DeiT. Grids are normalised to [0, 1].
 """
@@ -76,6 +80,40 @@ def rollout_grid(layers: list[np.ndarray], attention: dict, token: str, head: st
     prefix = n - int(np.prod(attention["grid"]))
     rows = [rollout[{"cls": 0, "dist": 1}[t], prefix:] for t in _tokens(attention, token)]
     return normalise(np.mean(rows, axis=0).reshape(attention["grid"]))
+
+
+LABELS_NAMED = 20  # an unknown label's error names this many of the model's labels at most
+
+
+def relevance_target(labels: list[str], label: str | None, index: int | None) -> tuple[np.ndarray, int | None]:
+    """The relevance graph's target for one image, float32 [classes]: one-hot at the label asked for, by name or by
+    index, or zeros for the image's top label; and that label's index (None: the top one)."""
+    if label is not None and index is not None:
+        raise BadInput("name the label to explain by label= or by class=, not both", "bad_label")
+    if label is not None:
+        if label not in labels:
+            named = ", ".join(labels[:LABELS_NAMED]) + (f" ... ({len(labels)} in all: GET /models lists them)"
+                                                        if len(labels) > LABELS_NAMED else "")
+            raise BadInput(f"{label!r} is not a label of this model; its labels: {named}", "bad_label")
+        index = labels.index(label)
+    elif index is not None and not 0 <= index < len(labels):
+        raise BadInput(f"class {index} is out of range: this model's classes are 0 to {len(labels) - 1}", "bad_class")
+    target = np.zeros(len(labels), np.float32)
+    if index is not None:
+        target[index] = 1
+    return target, index
+
+
+def relevance_grid(rows: np.ndarray, relevance: dict, token: str) -> np.ndarray:
+    """One image's relevance graph output [rows, cells] -> [gh, gw] in [0, 1]: the token's row (ViT/DeiT: token=both
+    averages the two), or the grid's own row (Swin, CNNs)."""
+    names = relevance["rows"]
+    if names == ["grid"]:
+        return normalise(rows[0].reshape(relevance["grid"]))
+    wanted = ["cls", "dist"] if token == "both" else [token]
+    if missing := [t for t in wanted if t not in names]:
+        raise BadInput(f"this model has no {missing[0]} token; tokens: {', '.join(names)}", "bad_token")
+    return normalise(np.mean([rows[names.index(t)] for t in wanted], axis=0).reshape(relevance["grid"]))
 
 
 @cache

@@ -122,6 +122,9 @@ class ModelInfo(BaseModel):
                                                "without attention outputs (a CNN), whose maps every route refuses "
                                                "with 400")
     explain: bool = Field(description="whether rollout maps are available (explain.onnx)")
+    relevance: dict | None = Field(None, description="how its class-specific maps (method=relevance: why this label) "
+                                                     "are computed: the rule, the grid and the rows; null for a model "
+                                                     "without a relevance graph (an embedding model)")
     embedding: dict | None = Field(None, description="the image embedding POST /embed answers with: the graph's "
                                                      "output, its size and how it pools the tokens; null for a model "
                                                      "without one (a CNN)")

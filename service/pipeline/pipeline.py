@@ -343,6 +343,15 @@ class Pipeline:
         return Results({name: np.concatenate([out.fields[name] for out in done]) for name in done[0].fields},
                        [ms for out in done for ms in out.decode_ms])
 
+    async def relevance(self, images: np.ndarray, targets: np.ndarray) -> Results:
+        """Class-specific maps of uint8 model inputs [n, H, W, 3], a target weight vector over the classes each
+        (zeros: the image's top label), run on the relevance graph in a batch with other requests' maps: `logits`
+        [n, classes] and `relevance` [n, rows, cells] (models/relevance.py)."""
+        self._check_count(len(images))
+        check_deadline(request_deadline(), self.name, "before its relevance batch")
+        logits, maps = await self.backend.relevance(self.key, images, np.ascontiguousarray(targets, np.float32))
+        return Results({"logits": logits, "relevance": maps}, [0.0] * len(images))
+
     def _check_count(self, n: int) -> None:
         if n > (limit := self.batching.queue_limit):  # it would never fit: retrying later (503) cannot help
             raise TooLarge(f"{n} images in one request; this model's queue holds {limit} (VITSERVE_QUEUE_LIMIT, or "
@@ -412,12 +421,20 @@ class Pipeline:
         self.metrics.decode_seconds.observe(seconds)
         return seconds * 1e3
 
-    def check_attention(self) -> None:
-        """BadInput, before any work, for a request of attention maps from a model without attention outputs."""
-        if self.entry.attention is None:
+    def check_attention(self, method: str | None = None) -> None:
+        """BadInput, before any work, for maps this model cannot draw: `method`'s (last and rollout read its attention
+        outputs, relevance its relevance graph), or with no method, any map at all."""
+        if method == "relevance" and not self.entry.has("relevance"):
+            if not self.classifies:
+                raise BadInput(f"{self.name} has no classifier: a relevance map explains one of a model's labels, and "
+                               "it has none. Use method=last or rollout for where it looks", "relevance_unavailable")
+            raise BadInput(f"{self.name} has no relevance graph: export it again with this version of python -m "
+                           "export (without --no-explain) for method=relevance", "relevance_unavailable")
+        if self.entry.attention is None and (method in ("last", "rollout") or not self.entry.has("relevance")):
+            also = " (it has a relevance graph: ask for method=relevance)" if self.entry.has("relevance") else ""
             raise BadInput(f"{self.name} has no attention maps: it has no attention outputs (family "
-                           f"{self.entry.manifest['family']}; maps come from ViT, DeiT and Swin models). Ask without "
-                           "attention, or name another model", "no_attention")
+                           f"{self.entry.manifest['family']}; maps come from ViT, DeiT and Swin models){also}. Ask "
+                           "without attention, or name another model", "no_attention")
 
     @property
     def classifies(self) -> bool:

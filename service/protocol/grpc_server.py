@@ -265,13 +265,14 @@ class InferenceService:
             raise BadInput(f"{len(request.raw_input_contents)} raw_input_contents for {len(sent)} inputs not in "
                            "shared memory: send one per input, in the inputs' order, or none (typed contents)")
         tensors = [(t.name, t.datatype, list(t.shape)) for t in request.inputs]
-        images, pixels = model_inputs(pipeline, tensors, lambda i, dtype: places[i] or tensor_values(
+        images, pixels, target = model_inputs(pipeline, tensors, lambda i, dtype: places[i] or tensor_values(
             request.inputs[i], raw.get(i), dtype))
+        relevance = target is not None  # the class-specific maps of the images (open_inference.py)
         shared = shared_outputs(pipeline, {o.name: requested_slice(parameters(o.parameters), f"output {o.name!r}")
-                                           for o in request.outputs})
+                                           for o in request.outputs}, relevance)
         check_shared_tensors(self.pipelines, host, (images, pixels), shared)
-        out = await pipeline.tensors(images, pixels, shared)
-        outputs = model_outputs(pipeline, out.fields, [o.name for o in request.outputs])
+        out = await (pipeline.relevance(images, target) if relevance else pipeline.tensors(images, pixels, shared))
+        outputs = model_outputs(pipeline, out.fields, [o.name for o in request.outputs], relevance)
         response = pb.ModelInferResponse(model_name=pipeline.name, model_version=str(pipeline.entry.version),
                                          id=request.id)
         response.parameters["plan"].string_param = pipeline.plan or ""

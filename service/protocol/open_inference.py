@@ -63,6 +63,19 @@ def accepted_inputs(pipeline: Pipeline) -> list[dict]:
 
 
 @cache
+def relevance_io(pipeline: Pipeline) -> dict | None:
+    """The relevance request's input and outputs (the metadata's parameters.relevance), None without the graph."""
+    section = pipeline.entry.manifest.get("relevance")
+    if section is None:
+        return None
+    classes, cells = len(pipeline.entry.labels), section["grid"][0] * section["grid"][1]
+    return {"rule": section["rule"], "grid": section["grid"], "rows": section["rows"],
+            "input": {"name": section["input"], "datatype": "FP32", "shape": [-1, classes]},
+            "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, classes]},
+                        {"name": section["output"], "datatype": "FP32", "shape": [-1, len(section["rows"]), cells]}]}
+
+
+@cache
 def model_metadata(pipeline: Pipeline) -> dict:
     """The model's input (`images`) and outputs; `pixel_values` and how to make them in its parameters."""
     m, (images, *others) = pipeline.entry.manifest, accepted_inputs(pipeline)
@@ -70,7 +83,7 @@ def model_metadata(pipeline: Pipeline) -> dict:
         "name": pipeline.name, "versions": [str(pipeline.entry.version)], "platform": "onnxruntime_onnx",
         # attention_outputs: the outputs attention maps are drawn from, none for a CNN
         "parameters": {"preprocessing": pipeline.entry.preprocessing, "other_inputs": others,
-                       "attention_outputs": pipeline.attention_outputs},
+                       "attention_outputs": pipeline.attention_outputs, "relevance": relevance_io(pipeline)},
         "inputs": [images],
         "outputs": [{"name": o["name"], "datatype": "FP32", "shape": [-1 if d == "batch" else d for d in o["shape"]]}
                     for o in m["outputs"]],
@@ -144,16 +157,27 @@ Tensor = tuple[str, str, list[int]]  # a request's input: name, datatype, shape
 Batch = np.ndarray | SharedTensor  # an input sent in the request, or kept in shared memory
 
 
-def model_inputs(pipeline: Pipeline, tensors: list[Tensor],
-                 values: Callable[[int, np.dtype], np.ndarray | Slice]) -> tuple[Batch, Batch]:
+def model_inputs(pipeline: Pipeline, tensors: list[Tensor], values: Callable[[int, np.dtype], np.ndarray | Slice]
+                 ) -> tuple[Batch, Batch, np.ndarray | None]:
     """A request's inputs as the graph's two batches (uint8 images, float pixel_values), an input not sent as an
-    empty batch. `values(i, dtype)`: input i's flat values, as its transport carries them, or where in shared
-    memory they are, read once its name, datatype and shape are checked."""
+    empty batch, and the relevance target where it was sent (relevance_target). `values(i, dtype)`: input i's flat
+    values, as its transport carries them, or where in shared memory they are, read once its name, datatype and
+    shape are checked."""
     if not tensors:
         raise BadInput("no input tensors; send `images` UINT8, `pixel_values` FP32, or both")
     names = [name for name, _, _ in tensors]
     if twice := next((name for name in names if names.count(name) > 1), None):
         raise BadInput(f"input {twice!r} sent twice; send each input at most once")
+    io = relevance_io(pipeline)
+    if io is not None and io["input"]["name"] in names:
+        i = names.index(io["input"]["name"])
+        target = relevance_target(io, tensors[i], values(i, DATATYPES["FP32"]) if tensors[i][1] == "FP32" else None)
+        images, pixels, _ = model_inputs(pipeline, tensors[:i] + tensors[i + 1:],
+                                         lambda j, dtype: values(j + (j >= i), dtype))
+        if len(pixels) or not isinstance(images, np.ndarray) or len(images) != len(target):
+            raise BadInput(f"a relevance request (input {io['input']['name']!r}) takes `images` UINT8 in the request "
+                           f"(not in shared memory), a row of {io['input']['name']!r} each, and no `pixel_values`")
+        return images, pixels, target
 
     def batch(i: int, name: str, datatype: str, shape: list[int]) -> Batch:
         dtype = input_dtype(pipeline, name, datatype, shape)
@@ -168,27 +192,53 @@ def model_inputs(pipeline: Pipeline, tensors: list[Tensor],
     m = pipeline.entry.manifest
     h, w = m["input"]["size"]
     return (batches.get(m["input"]["name"], np.zeros((0, h, w, 3), np.uint8)),
-            batches.get(m["tensor_input"]["name"], np.zeros((0, 3, h, w), np.float32)))
+            batches.get(m["tensor_input"]["name"], np.zeros((0, 3, h, w), np.float32)), None)
 
 
-def check_outputs(pipeline: Pipeline, asked: list[str]) -> None:
-    names = output_names(pipeline.entry)
+def relevance_target(io: dict, tensor: Tensor, data: np.ndarray | Slice | None) -> np.ndarray:
+    """The `target` input (relevance_io) as float32 [B, classes], once its datatype, shape and values are checked."""
+    name, datatype, shape = tensor
+    want = io["input"]
+    if datatype != "FP32" or len(shape) != 2 or shape[1] != want["shape"][1] or shape[0] < 1:
+        raise BadInput(f"input {name!r} {datatype} {shape}; this model takes {name!r} FP32 {want['shape']}: a weight "
+                       "vector over its classes per image")
+    if isinstance(data, Slice):
+        raise BadInput(f"input {name!r} in shared memory: send the relevance target in the request")
+    return input_batch(data, shape)
+
+
+def outputs_of(pipeline: Pipeline, relevance: bool) -> list[str]:
+    """The outputs a request gets: the main graph's, or a relevance request's (relevance_io)."""
+    return [o["name"] for o in relevance_io(pipeline)["outputs"]] if relevance else output_names(pipeline.entry)
+
+
+def check_outputs(pipeline: Pipeline, asked: list[str], relevance: bool = False) -> None:
+    names = outputs_of(pipeline, relevance)
     unknown = [name for name in asked if name not in names]
     if unknown:
         none = "" if pipeline.entry.attention else f" ({pipeline.name} has no attention outputs)"
-        raise BadInput(f"no output {unknown[0]!r}; outputs: {', '.join(names)}{none}")
+        also = "" if relevance or relevance_io(pipeline) is None else \
+            f"; send the input {relevance_io(pipeline)['input']['name']!r} for the relevance outputs"
+        raise BadInput(f"no output {unknown[0]!r}; outputs: {', '.join(names)}{none}{also}")
 
 
-def model_outputs(pipeline: Pipeline, fields: dict[str, np.ndarray], asked: list[str]) -> dict[str, np.ndarray]:
-    """The outputs asked for (all where none are), by name, as little-endian FP32."""
-    check_outputs(pipeline, asked)
-    return {name: np.ascontiguousarray(fields[name], dtype="<f4") for name in asked or output_names(pipeline.entry)}
+def model_outputs(pipeline: Pipeline, fields: dict[str, np.ndarray], asked: list[str], relevance: bool = False
+                  ) -> dict[str, np.ndarray]:
+    """The outputs asked for (all where none are), by name, as little-endian FP32; a relevance request's where
+    `relevance`."""
+    check_outputs(pipeline, asked, relevance)
+    return {name: np.ascontiguousarray(fields[name], dtype="<f4") for name in asked or outputs_of(pipeline, relevance)}
 
 
-def shared_outputs(pipeline: Pipeline, asked: dict[str, Slice | None]) -> dict[str, Slice]:
-    """The outputs asked for in shared memory (by name: where), their names checked before anything runs."""
-    check_outputs(pipeline, list(asked))
-    return {name: place for name, place in asked.items() if place is not None}
+def shared_outputs(pipeline: Pipeline, asked: dict[str, Slice | None], relevance: bool = False) -> dict[str, Slice]:
+    """The outputs asked for in shared memory (by name: where), their names checked before anything runs (a
+    relevance request's outputs are answered in the response alone)."""
+    check_outputs(pipeline, list(asked), relevance)
+    shared = {name: place for name, place in asked.items() if place is not None}
+    if relevance and shared:
+        raise BadInput("a relevance request's outputs come back in the response: ask for them without "
+                       "shared_memory_region")
+    return shared
 
 
 

@@ -141,6 +141,11 @@ class Backend(Protocol):
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         """Every layer's attention probabilities for one uint8 [H, W, 3] input (the explain graph)."""
 
+    async def relevance(self, model: str, images: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Class-specific maps (the relevance graph, batched across requests): uint8 images [n, H, W, 3] and a target
+        weight vector over the classes per image [n, classes], zeros for its top label -> (logits [n, classes],
+        relevance [n, rows, grid cells])."""
+
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """A client's system shared memory, registered under `name` (shared_memory.Regions.register)."""
 

@@ -86,6 +86,7 @@ class ModelLifecycle:
         self.status = {e.key: ModelStatus() for e in entries}
         self.runners: dict[str, Runner] = {}  # by graph
         self.explainers: dict[str, Runner] = {}  # by graph, opened on first use (LocalBackend.explain)
+        self.relevances: dict[str, Runner] = {}  # by graph, the relevance graphs' runners, opened on first use
         self.cpu_plans: dict[str, Choice | None] = {}  # by graph: the plan chosen on the CPU (None on CUDA)
         self.jpeg_decoders: dict[str, object] = {}  # by graph: GPU JPEG decoders (gpu_decode.py), where they work
         self.decode_reasons: dict[str, str] = {}  # by graph: why its GPU decoder did not start (ModelStatus)
@@ -301,6 +302,7 @@ class ModelLifecycle:
         new_graph = graph not in self.runners
         self.runners[graph], self.cpu_plans[graph] = runner, chosen
         self.explainers.pop(graph, None)
+        self.relevances.pop(graph, None)
         if key in self.by_key:
             self.entries[self.entries.index(self.by_key[key])] = entry
         else:
@@ -338,6 +340,7 @@ class ModelLifecycle:
             await self.graphs.close_graph(graph)
             self.runners.pop(graph, None)
             self.explainers.pop(graph, None)
+            self.relevances.pop(graph, None)
             release_memory()
         log.info("%s unloaded", key)
 

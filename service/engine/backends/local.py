@@ -29,7 +29,8 @@ from ..batching import Batcher, QueueFull
 from ..cpu_plans import CpuPlan, open_runner
 from ..openvino_runtime import OpenVinoRunner
 from ..heads import head
-from ..records import Kind, Part, host_inputs, kind_of, record_dtype, row_numbers, spans, write_results
+from ..records import (TARGET, Kind, Part, host_inputs, kind_of, record_dtype, relevance_dtype, row_numbers, spans,
+                       write_results)
 from ..runtime import Runner, batches_in_flight, choose_device, cuda_blocking_sync
 from ..shared_memory import Regions, SharedIO
 from . import Lease, ModelStatus
@@ -50,6 +51,7 @@ class LocalBackend:
         self.health = DeviceHealth(settings.device_broken_batches, settings.device_broken_s, on_broken)
         self.models = ModelLifecycle(settings, metrics, self, on_status)  # reads the repository: it fails here
         self.batchers: dict[str, Batcher] = {}  # by graph
+        self.relevance_batchers: dict[str, Batcher] = {}  # by graph, started on first use (relevance)
         self.cache = AttentionCache(settings.attention_cache_items, settings.attention_cache_bytes,
                                     settings.attention_ttl_s)
         self.regions = Regions()  # clients' system shared memory
@@ -113,6 +115,9 @@ class LocalBackend:
     async def close_graph(self, graph: str) -> None:
         await self.batchers[graph].drained()
         await self.batchers.pop(graph).stop()
+        if (relevance := self.relevance_batchers.pop(graph, None)) is not None:
+            await relevance.drained()
+            await relevance.stop()
 
     def _run_batch(self, graph: str):
         models = self.models
@@ -157,7 +162,7 @@ class LocalBackend:
 
     async def close(self) -> None:
         await self.models.close()
-        for batcher in self.batchers.values():
+        for batcher in [*self.batchers.values(), *self.relevance_batchers.values()]:
             await batcher.stop()
         if self.inference is not None:
             self.inference.shutdown(wait=True, cancel_futures=True)
@@ -225,6 +230,59 @@ class LocalBackend:
         finally:
             if claim is not None:
                 claim.release()
+
+    async def relevance(self, model: str, images: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Class-specific maps (the relevance graph), batched with other requests' as classification is: uint8
+        images [n, H, W, 3] and a target per image [n, classes] -> (logits [n, classes], relevance [n, rows, cells])."""
+        graph = self.models.plans[model].graph
+        entry = self.models.by_key[graph]
+        if not entry.has("relevance"):
+            raise BadInput(f"{model} has no relevance graph: export it again with this version of python -m export "
+                           "(without --no-explain) for method=relevance", "relevance_unavailable")
+        batcher = self.relevance_batchers.get(graph)
+        if batcher is None:
+            batcher = self.relevance_batchers[graph] = Batcher(
+                f"{graph}:relevance", self._run_relevance(graph, list(self.models.plans[model].providers)),
+                self.inference, self.metrics, self.models.batching(graph), self.concurrency)
+            batcher.start()
+        records = np.empty(len(images), relevance_dtype(entry))
+        records["image"], records["target"] = images, targets
+        try:
+            queued = batcher.submit(records, priority=request_priority())
+        except QueueFull as e:
+            raise overloaded(str(e), self.settings.retry_after_s) from None
+        try:
+            await queued.future
+        except asyncio.CancelledError:
+            await batcher.settled(queued)
+            raise
+        return records["logits"].copy(), records["relevance"].copy()
+
+    def _run_relevance(self, graph: str, providers: list[str]):
+        """A batch of relevance records: each part's images and targets gathered, run, and written back."""
+        models = self.models
+
+        def run(parts: list[Part], queue_ms: list[float]) -> float:
+            if (broken := self.problem()) is not None:
+                raise broken
+            entry = models.by_key[graph]
+            if graph not in models.relevances:  # only the inference threads get here; a second open is harmless
+                models.relevances[graph] = Runner(
+                    verify_file(entry, "relevance"), (entry.manifest["input"]["name"], TARGET), providers,
+                    self.settings.intra_op_threads, self.settings.spin_wait,
+                    self.settings.cuda_tf32, iobinding=self.settings.iobinding)
+            start = time.perf_counter()
+            images = np.concatenate([p.records["image"][p.rows] for p in parts])
+            targets = np.concatenate([p.records["target"][p.rows] for p in parts])
+            outputs = models.relevances[graph].run(images, targets)
+            row = 0
+            for part in parts:
+                for name in ("logits", "relevance"):
+                    part.records[name][part.rows] = outputs[name][row:row + part.size]
+                row += part.size
+            return time.perf_counter() - start
+
+        return run
 
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         models = self.models

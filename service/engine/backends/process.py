@@ -404,6 +404,10 @@ class ProcessBackend:
         _, arrays = await self._ask({"op": Op.EXPLAIN, "model": model}, {"image": image})
         return [arrays[str(i)] for i in range(len(arrays))]
 
+    async def relevance(self, model: str, images: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        _, arrays = await self._ask({"op": Op.RELEVANCE, "model": model}, {"images": images, "targets": targets})
+        return arrays["logits"], arrays["relevance"]
+
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
         await self._ask({"op": Op.REGISTER_REGION, "name": name, "key": key, "offset": offset,
                          "byte_size": byte_size})

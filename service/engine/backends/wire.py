@@ -35,7 +35,8 @@ class Op(StrEnum):
       CANCEL  a request of a frame (by its place in it) given up (client gone, timeout): its slots leave the
               queue
     A worker asks, and the reply carries the same "id" (and "error" where it failed):
-      EXPLAIN, LOAD, UNLOAD, INDEX, STORE_ATTENTION, RECALL_ATTENTION, REGISTER_REGION, UNREGISTER_REGION, REGION_STATUS
+      EXPLAIN, RELEVANCE, LOAD, UNLOAD, INDEX, STORE_ATTENTION, RECALL_ATTENTION, REGISTER_REGION, UNREGISTER_REGION,
+      REGION_STATUS
     """
     HELLO = "hello"
     STATUS = "status"
@@ -46,6 +47,7 @@ class Op(StrEnum):
     RUN = "run"
     CANCEL = "cancel"
     EXPLAIN = "explain"
+    RELEVANCE = "relevance"
     LOAD = "load"
     UNLOAD = "unload"
     INDEX = "index"

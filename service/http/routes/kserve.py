@@ -130,10 +130,11 @@ def _json_end(body: bytes | bytearray, header_length: str | None) -> int:
 
 
 def parse_request(body: bytes | bytearray, header_length: str | None, pipeline: Pipeline
-                  ) -> tuple[InferenceRequest, tuple[Batch, Batch]]:
-    """The request's JSON header and its inputs as the graph's two batches (images, pixel_values), checked against
-    the model's inputs. Binary tensors follow the JSON in the order of the inputs. Pydantic's JSON parser bounds
-    the nesting (a body nested 5,000 deep is a 400, not a RecursionError)."""
+                  ) -> tuple[InferenceRequest, tuple[Batch, Batch, np.ndarray | None]]:
+    """The request's JSON header and its inputs as the graph's two batches (images, pixel_values) and a relevance
+    request's target (else None), checked against the model's inputs. Binary tensors follow the JSON in the order
+    of the inputs. Pydantic's JSON parser bounds the nesting (a body nested 5,000 deep is a 400, not a
+    RecursionError)."""
     json_end = _json_end(body, header_length)
     try:
         header = InferenceRequest.model_validate_json(body if json_end == len(body) else body[:json_end])
@@ -168,19 +169,19 @@ def json_numbers(value: np.ndarray) -> list:
     return np.where(np.isfinite(flat), flat, None).tolist()
 
 
-def requested_shared(pipeline: Pipeline, header: InferenceRequest) -> dict[str, Slice]:
+def requested_shared(pipeline: Pipeline, header: InferenceRequest, relevance: bool) -> dict[str, Slice]:
     """The outputs the request asks for in shared memory, by name."""
     return shared_outputs(pipeline, {out.name: out.parameters.place(f"output {out.name!r}")
-                                     for out in header.outputs or []})
+                                     for out in header.outputs or []}, relevance)
 
 
 def build_response(pipeline: Pipeline, header: InferenceRequest, fields: dict[str, np.ndarray],
-                   shared: dict[str, Slice]) -> Response:
+                   shared: dict[str, Slice], relevance: bool = False) -> Response:
     """JSON, or JSON header + raw bytes for the outputs asked for in binary. Those in shared memory (`shared`,
     written there already) are listed as Triton lists them, without data or parameters (its clients take any
     parameters of an output for binary data that follows)."""
     asked = header.outputs or []
-    outputs = model_outputs(pipeline, fields, [out.name for out in asked])
+    outputs = model_outputs(pipeline, fields, [out.name for out in asked], relevance)
     binary = {out.name: out.parameters.binary_data for out in asked}
     tensors, blobs = [], []
     for name, value in outputs.items():
@@ -256,11 +257,13 @@ async def infer_version(request: Request, name: str, version_: str | None) -> Re
     pipeline, (first, body, parsed) = await pipelines.routed(read, name, version=version_)
     if parsed is None or pipeline is not first:  # (reloaded while it was parsed: rare, checked again here)
         parsed = parse_request(body, length, pipeline)
-    header, (images, pixels) = parsed
+    header, (images, pixels, target) = parsed
     given = header.parameters
     from_parameters(start, {"timeout": given.timeout, "priority": given.priority}, pipeline.settings.priority_levels)
-    shared = requested_shared(pipeline, header)
+    shared = requested_shared(pipeline, header, target is not None)
     check_shared_tensors(_pipelines(request), client_host(request), (images, pixels), shared)
+    if target is not None:  # the class-specific maps of the images (open_inference.py)
+        return build_response(pipeline, header, (await pipeline.relevance(images, target)).fields, {}, True)
     out = await pipeline.tensors(images, pixels, shared)
     return build_response(pipeline, header, out.fields, shared)
 
