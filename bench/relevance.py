@@ -6,7 +6,8 @@ cost, each from the repository's own graphs in ONNX Runtime (what the service ru
 two:      images with two shapes of two different classes, one in each half (models.synthetic.shapes.two_shapes). For
           each image and each of its two labels, the map for that label passes where it puts more of its mass on that
           label's shape than on the other. A map that is the same for every label (last, rollout) can pass for one
-          of the two labels of an image at most: about 50%. And how often the model's two best labels are the two.
+          of the two labels of an image at most: about 50%. And how often the model's two best labels are the two,
+          relevance's rate on those scenes and the rest, and its rate with "a rather than b" targets (e_a - e_b).
 deletion: held-out single shapes; the grid cells blanked (to the image's mean colour) most relevant first, the true
           label's probability read after each step; the mean over the steps (the area under the curve, Samek et al.
           2017, https://arxiv.org/abs/1509.06321): lower is better, the map found what the answer rests on.
@@ -84,24 +85,32 @@ def two_shape_images(count: int, seed: int = SEED) -> tuple[np.ndarray, np.ndarr
             np.stack([masks for _, _, masks in made]))
 
 
-def two_shape_pass_rate(graphs: Graphs, method: str, count: int, seed: int = SEED) -> float:
-    """The share of (image, label) pairs whose map puts more of its mass on that label's shape than on the other's."""
+def two_shape_passes(graphs: Graphs, method: str, count: int, seed: int = SEED, rather: bool = False
+                     ) -> np.ndarray:
+    """[count, 2]: whether the map of each image's each label puts more of its mass on that label's shape than on
+    the other's. `rather`: the target is that label less the other (e_a - e_b, "why a rather than b"), a weight
+    vector as /v2's target input takes it."""
     images, labels, masks = two_shape_images(count, seed)
-    classes = len(graphs.entry.labels)
+    eye = np.eye(len(graphs.entry.labels), dtype=np.float32)
     passed = []
     for j in range(2):  # each image's first label, then its second
-        grid = graphs.maps(method, images, np.eye(classes, dtype=np.float32)[labels[:, j]])
+        grid = graphs.maps(method, images, eye[labels[:, j]] - rather * eye[labels[:, 1 - j]])
         cover = cell_coverage(masks, grid.shape[1:])  # [count, 2, gh, gw]
         mass = (grid[:, None] * cover).sum(axis=(-2, -1))  # [count, 2]: on each shape
-        passed += list(mass[:, j] > mass[:, 1 - j])
-    return float(np.mean(passed))
+        passed.append(mass[:, j] > mass[:, 1 - j])
+    return np.stack(passed, axis=1)
 
 
-def top_two_rate(graphs: Graphs, count: int, seed: int = SEED) -> float:
-    """The share of two-shape scenes whose two labels are the model's two best: what it sees, before any map."""
+def two_shape_pass_rate(graphs: Graphs, method: str, count: int, seed: int = SEED) -> float:
+    """The share of (image, label) pairs that pass (two_shape_passes)."""
+    return float(two_shape_passes(graphs, method, count, seed).mean())
+
+
+def top_two(graphs: Graphs, count: int, seed: int = SEED) -> np.ndarray:
+    """[count]: whether a two-shape scene's two labels are the model's two best: what it sees, before any map."""
     images, labels, _ = two_shape_images(count, seed)
     best = np.sort(np.argsort(-graphs.logits(images), axis=1)[:, :2], axis=1)
-    return float((best == np.sort(labels, axis=1)).all(axis=1).mean())
+    return (best == np.sort(labels, axis=1)).all(axis=1)
 
 
 def deletion_area(graphs: Graphs, method: str, count: int, steps: int = 16, seed: int = SEED + 1) -> float:
@@ -158,9 +167,13 @@ def main() -> None:
         rule = graphs.entry.manifest["relevance"]["rule"]
         if "two" in args.parts:
             rates = {m: two_shape_pass_rate(graphs, m, args.images) for m in graphs.methods}
+            seen, passes = top_two(graphs, args.images), two_shape_passes(graphs, "relevance", args.images)
+            rather = two_shape_passes(graphs, "relevance", args.images, rather=True).mean()
             print(f"{name} ({rule}) two shapes, {2 * args.images} (image, label) pairs on their own shape: "
                   + ", ".join(f"{m} {r:.1%}" for m, r in rates.items())
-                  + f"; both labels its top two in {top_two_rate(graphs, args.images):.1%} of the scenes", flush=True)
+                  + f"; both labels its top two in {seen.mean():.1%} of the scenes, relevance passing "
+                  f"{passes[seen].mean():.1%} of those and {passes[~seen].mean():.1%} of the rest; "
+                  f"'a rather than b' targets {rather:.1%}", flush=True)
         if "deletion" in args.parts:
             areas = {m: deletion_area(graphs, m, args.images) for m in graphs.methods}
             print(f"{name} deletion area ({args.images} held-out shapes, lower is better): "
