@@ -10,7 +10,8 @@ a model without a classifier, num_classes 0, outputs it first and no logits):
   CNNs:     the logits alone (no attention to show).
 The explain graph outputs every block's full attention probabilities (`attention_0` ...) for rollout. The relevance
 graph (models/relevance.py) takes `images` and a `target` weight vector over the classes per image (a row of zeros:
-the image's top label) and outputs the logits and the class-specific `relevance` [B, rows, grid cells].
+the image's top label) and outputs the logits and the class-specific `relevance` [B, rows, grid cells]. A whole
+CLIP's text graph takes token ids and outputs the texts' embeddings (TextGraph).
 
 Both take two inputs: `images`, uint8 [B1, H, W, 3] pixels that the graph cuts into patches and normalises with
 the model's mean/std itself, the normalisation folded into the patch embedding's weights (so the host sends a
@@ -33,11 +34,13 @@ from torch import nn
 from models.layers import PatchEmbed
 from models.relevance import relevance
 from models.swin_transformer import SwinTransformer, WindowAttention
+from models.text_transformer import TextTransformer
 from models.vision_transformer import VisionTransformer
 
 OPSET = 23
 IMAGES, TENSOR = "images", "pixel_values"
 TARGET, RELEVANCE = "target", "relevance"  # the relevance graph's own input and output
+INPUT_IDS, TEXT_EMBEDS = "input_ids", "text_embeds"  # a whole CLIP's text graph
 EMBEDDINGS = "embeddings"  # the pre-logits feature, un-normalised (the service normalises it where asked)
 FUSED_ATTENTION = {"Attention", "com.microsoft:MultiHeadAttention", "com.microsoft:Attention"}
 
@@ -242,6 +245,35 @@ class RelevanceGraph(nn.Module):
     def forward(self, images: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         none = torch.zeros(0, 3, images.shape[1], images.shape[2])
         return relevance(self.model, self.input(images, none), target)
+
+
+class TextGraph(nn.Module):
+    """int64 token ids [B, L] (L at most the context length, padded after the end-of-text token) -> the texts'
+    embeddings [B, D] (CLIP's text_embeds, not normalised): a whole CLIP's text tower (models.text_transformer)."""
+
+    input_names = [INPUT_IDS]
+    output_names = [TEXT_EMBEDS]
+
+    def __init__(self, model: TextTransformer):
+        super().__init__()
+        self.model = model.eval()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+
+def export_text_graph(module: TextGraph, path: Path) -> onnx.ModelProto:
+    """The text graph at `path`, its batch and its token count dynamic (a batch is padded to its longest text)."""
+    quiet_exporter()
+    tokens = torch.export.Dim("tokens", min=2, max=module.model.context_length)
+    example = (torch.full((2, 3), 1, dtype=torch.int64),)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module, example, dynamo=True, opset_version=OPSET, input_names=module.input_names,
+            output_names=module.output_names, verbose=False,
+            dynamic_shapes={INPUT_IDS: {0: torch.export.Dim("batch", min=1, max=4096), 1: tokens}})
+    return save_graph(program.model, path)
 
 
 def quiet_exporter() -> None:

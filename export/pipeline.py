@@ -2,8 +2,9 @@
 
 Steps: build the model and load its weights; export the main graph; prove every attention block is a fused
 op; run the parity gate; for fp16, fuse for ONNX Runtime's CUDA kernels and gate that again; convert to
-fp16/int8 and gate that against fp32; export the explain graph (ViT/DeiT) and the relevance graph (every classifier
-of models/relevance.py), each gated against PyTorch; write and validate the manifest. Everything is built in a
+fp16/int8 and gate that against fp32; export the explain graph (ViT/DeiT), the relevance graph (every classifier
+of models/relevance.py) and a whole CLIP's text graph with its tokenizer, each gated against PyTorch; write and
+validate the manifest. Everything is built in a
 hidden folder beside the target and moved into place only when all checks passed, so a failed export leaves nothing
 behind.
 """
@@ -23,6 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from models import create_model, get_spec, load_weights
+from models.hf_clip import EOS, TEMPLATE, TextTower, read_text_tower, token_ids
 from models.hf_folder import HFModel, is_folder, read_folder
 from models.relevance import relevance_of
 from models.swin_transformer import SwinTransformer
@@ -31,10 +33,10 @@ from repository import versions
 
 from . import manifest as mf
 from .fusion import fuse_for_ort
-from .graph import (EMBEDDINGS, IMAGES, OPSET, RELEVANCE, TARGET, TENSOR, ExplainGraph, MainGraph, RelevanceGraph,
-                    expected_attention_blocks,
-                    export_form, export_graph, export_program, fused_attention_count, has_attention,
-                    is_embedding_model, op_counts, save_graph, unfused_attention)
+from .graph import (EMBEDDINGS, IMAGES, INPUT_IDS, OPSET, RELEVANCE, TARGET, TENSOR, TEXT_EMBEDS, ExplainGraph,
+                    MainGraph, RelevanceGraph, TextGraph, expected_attention_blocks, export_form, export_graph,
+                    export_program, export_text_graph, fused_attention_count, has_attention, is_embedding_model,
+                    op_counts, save_graph, unfused_attention)
 from .parity import FP32_ABS_TOLERANCE, ParityError, check_fp32, check_reduced, gate_inputs, run_session, run_torch
 from .precision import CONVERTERS, OpenVinoSession, openvino_capabilities, quantize_int8
 
@@ -341,6 +343,40 @@ def _relevance_graph(model: nn.Module, work: Path, inputs, log: Progress) -> flo
     return worst
 
 
+# the text gate's prompts: CLIP's template, case, punctuation, unicode, and past the context length
+TEXT_PROBES = [TEMPLATE.format(w) for w in ("cat", "golden retriever", "Tabby CAT", "crème brûlée", "日本")] + [
+    "", "it's a dog, isn't it?", "  tabs\tand\nnewlines  ", "word " * 100]
+
+
+def _text_graph(tower: TextTower, work: Path, log: Progress) -> tuple[dict, float]:
+    """text.onnx (a whole CLIP's text tower) and tokenizer.json, the graph checked against PyTorch on the tokens
+    of TEXT_PROBES padded as the service pads them: the manifest's `text` section and the largest difference."""
+    log("exporting the text graph (the text tower: token ids -> text embeddings)")
+    model = tower.build()
+    proto = export_text_graph(TextGraph(model), work / "text.onnx")
+    blocks = len(model.blocks)
+    if fused_attention_count(op_counts(proto)) != blocks or unfused_attention(proto):
+        raise ExportError(f"the text tower's attention is not fused: {fused_attention_count(op_counts(proto))} fused "
+                          f"attention ops for {blocks} blocks")
+    tower.tokenizer.save(str(work / "tokenizer.json"))
+    pad = tower.tokenizer.token_to_id(EOS)
+    ids = token_ids(tower.tokenizer, TEXT_PROBES)
+    batch = np.full((len(ids), max(map(len, ids))), pad, dtype=np.int64)
+    for row, text in zip(batch, ids):
+        row[:len(text)] = text
+    got = session_for(work / "text.onnx", ["CPUExecutionProvider"]).run(None, {INPUT_IDS: batch})[0]
+    with torch.no_grad():
+        want = model(torch.from_numpy(batch)).numpy()
+    worst = float(np.abs(got - want).max())
+    if worst > FP32_ABS_TOLERANCE:
+        raise ParityError(f"text graph differs from PyTorch by {worst:.3g}")
+    log(f"text graph vs PyTorch: text embeddings max |diff| {worst:.2e}")
+    section = {"input": INPUT_IDS, "output": TEXT_EMBEDS, "size": model.embed_dim,
+               "context_length": model.context_length, "pad_id": pad, "scores": "softmax",
+               "logit_scale": tower.logit_scale, "logit_bias": 0.0, "template": TEMPLATE}
+    return section, worst
+
+
 def _relevance_section(model: nn.Module) -> dict:
     rule, grid, rows = relevance_of(model)
     names = ["cls", "dist"][:rows] if isinstance(model, VisionTransformer) else ["grid"]
@@ -429,6 +465,10 @@ def _export(args, hf: HFModel | None, log: Progress) -> Path:
         if relevance_of(model) is not None and not args.no_explain:
             parity["relevance_max_rel_diff"] = _relevance_graph(model, work, inputs, log)
             graphs["relevance"] = work / "relevance.onnx"
+        text = None
+        if hf and hf.source["model_type"] == "clip":
+            text, parity["text_max_abs_diff"] = _text_graph(read_text_tower(args.model), work, log)
+            graphs.update(text=work / "text.onnx", tokenizer=work / "tokenizer.json")
         files = {kind: mf.file_entry(path) for kind, path in graphs.items()}
         manifest = _manifest(args, name, labels, meta, model, proto, counts, parity, files, explain_outputs)
         if hf:
@@ -436,6 +476,8 @@ def _export(args, hf: HFModel | None, log: Progress) -> Path:
                 "huggingface": hf.source, "sha256": {p.name: mf.sha256(p) for p in hf.files}})
             if not is_embedding_model(model):  # (an embedding model's labels have no scores)
                 manifest["scores"] = hf.scores
+        if text is not None:
+            manifest["text"] = text
         if plans is not None:
             manifest.update(precision="fp32", plans=plans, **({"plans_refused": refused} if refused else {}))
         if version is not None:

@@ -1,6 +1,7 @@
 """A Hugging Face transformers folder as a registry model, read without transformers: ViT, DeiT (both heads, or
 the fine-tuned single head) and Swin v1 classifiers, and embedding models (no classifier): the base ViTModel,
-DeiTModel and SwinModel, Dinov2Model, Dinov2WithRegistersModel, CLIPVisionModel and CLIPVisionModelWithProjection.
+DeiTModel and SwinModel, Dinov2Model, Dinov2WithRegistersModel, CLIPVisionModel and CLIPVisionModelWithProjection,
+and a whole CLIPModel's image tower (its text tower: models.hf_clip).
 
     folder/config.json                 the architecture, id2label, layer_norm_eps, hidden_act, problem_type
     folder/model.safetensors           (or model.safetensors.index.json with its shards, or pytorch_model.bin)
@@ -100,9 +101,11 @@ def read_folder(folder: str | Path, task: str | None = None, pooling: str | None
     folder = Path(folder)
     config = _json(folder / "config.json")
     kind = config.get("model_type")
-    _refuse(kind == "clip", "model_type", kind, "a whole CLIP (text and image towers) is not served: save its image "
-            "tower alone (CLIPVisionModelWithProjection.from_pretrained(folder).save_pretrained(out), with the image "
-            "processor) and export that")
+    whole_clip = kind == "clip"  # its image tower here; its text tower is models.hf_clip's
+    if whole_clip:
+        config = {**(config.get("vision_config") or {}), "model_type": "clip_vision_model",
+                  **{k: config[k] for k in ("architectures", "transformers_version") if k in config}}
+        kind = "clip_vision_model"
     if kind not in SERVED:
         raise WeightsError(f"{folder}: model_type {kind!r} is not served; ViT, DeiT, Swin (v1), DINOv2 and CLIP's "
                            "image tower are")
@@ -111,7 +114,8 @@ def read_folder(folder: str | Path, task: str | None = None, pooling: str | None
             f"only {' and '.join(activations)} (erf) {'are' if len(activations) > 1 else 'is'} served")
     _refuse(config.get("num_channels", 3) != 3, "num_channels", config.get("num_channels"), "images are RGB")
     files = weight_files(folder)
-    state = {k: v.float() for path in files for k, v in read_state_dict(path).items()}
+    state = {k: v.float() for path in files for k, v in read_state_dict(path).items()
+             if not (whole_clip and k.startswith(("text_model.", "text_projection.", "logit_scale")))}
     dinov2 = kind.startswith("dinov2")
     # DINOv2 interpolates its position embedding to whatever it is given: it serves its processor's size
     img_size, policy = _policy(folder / "preprocessor_config.json", None if dinov2 else config["image_size"])
@@ -136,7 +140,8 @@ def read_folder(folder: str | Path, task: str | None = None, pooling: str | None
         task = "expression" if expression else "classification"
     spec = ModelSpec(name, SwinTransformer if kind == "swin" else VisionTransformer, arch, img_size=img_size,
                      num_classes=len(labels), labels=tuple(labels), task=task, timm=False, **policy)
-    source = {"folder": str(folder), "model_type": kind, "architectures": config.get("architectures", []),
+    source = {"folder": str(folder), "model_type": "clip" if whole_clip else kind,
+              "architectures": config.get("architectures", []),
               **({"transformers_version": config["transformers_version"]} if "transformers_version" in config else {})}
     scores = "sigmoid" if config.get("problem_type") == "multi_label_classification" else "softmax"
     return HFModel(spec, state, scores, source, files)

@@ -28,14 +28,17 @@ from .layers import DropPath, LayerScale, Mlp, PatchEmbed, init_weights, row_mea
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with a packed qkv projection: softmax(Q K^T / sqrt(d)) V per head."""
+    """Multi-head self-attention with a packed qkv projection: softmax(Q K^T / sqrt(d)) V per head (`causal`: each
+    token sees itself and those before it, as a text tower's do)."""
 
-    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0):
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0,
+                 causal: bool = False):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed dim {dim} is not divisible by {num_heads} heads")
         self.num_heads = num_heads
         self.attn_drop = attn_drop
+        self.causal = causal
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -46,7 +49,8 @@ class Attention(nn.Module):
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each [B, heads, N, head_dim]
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0,
+                                           is_causal=self.causal)
         x = self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
         if not query_rows:
             return x
@@ -59,10 +63,10 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  drop: float = 0.0, attn_drop: float = 0.0, drop_path: float = 0.0, norm_eps: float = 1e-6,
-                 init_values: float | None = None, act_layer: str = "gelu"):
+                 init_values: float | None = None, act_layer: str = "gelu", causal: bool = False):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
-        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
+        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop, causal=causal)
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop, act_layer=act_layer)

@@ -294,7 +294,6 @@ REFUSALS = [
      "patch_size = 8 in the folder's config: the processor's 36x36 images are not a whole number of patches"),
     ("clip", "config.json", {"hidden_act": "relu"},
      "hidden_act = 'relu' in the folder's config: only quick_gelu and gelu"),
-    ("clip", "config.json", {"model_type": "clip"}, "model_type = 'clip' .*: save its image tower alone"),
     ("clip", "preprocessor_config.json", {"do_center_crop": False},
      "size = {'shortest_edge': 32} .*: a shortest_edge resize is served with a centre crop alone"),
     ("clip", "preprocessor_config.json", {"crop_size": {"height": 40, "width": 40}},

@@ -1,0 +1,123 @@
+"""A whole CLIP folder's text tower and tokenizer (CLIPModel): what zero-shot labels and text search are made of.
+The image tower of the same folder is read by models.hf_folder, as for CLIPVisionModelWithProjection.
+
+    folder/config.json         text_config (the tower), projection_dim, logit_scale_init_value
+    folder/model.safetensors   text_model.*, text_projection.weight, logit_scale (beside vision_model.*)
+    folder/tokenizer.json      the tokenizer, as the `tokenizers` library reads it; or vocab.json + merges.txt, which
+                               `clip_tokenizer` turns into one as transformers' CLIPTokenizer builds it
+
+`read_text_tower` gives the architecture of models.text_transformer and a state dict in its names, and what scores
+a label: softmax(logit_scale * cos) over the labels, CLIP's. Every setting this cannot serve exactly is refused with
+one sentence naming it, as models.hf_folder refuses.
+"""
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from .hf_folder import _CLIP_BLOCK, _encoder, _json, _refuse, _renamed, weight_files
+from .text_transformer import TextTransformer
+from .weights import WeightsError, read_state_dict
+
+TEMPLATE = "a photo of a {}."  # CLIP's prompt for ImageNet's labels (Radford et al. 2021, section 3.1.4)
+BOS, EOS = "<|startoftext|>", "<|endoftext|>"
+# transformers' CLIPTokenizer (5.23): its pre-tokenizer's split
+_WORDS = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+
+
+@dataclass(frozen=True)
+class TextTower:
+    arch: dict  # TextTransformer's arguments
+    state_dict: dict[str, torch.Tensor]  # its names, float32
+    logit_scale: float  # exp of the folder's logit_scale: what multiplies a cosine into a logit
+    tokenizer: Tokenizer  # truncating to the context length, as transformers truncates with max_length
+
+    def build(self) -> TextTransformer:
+        model = TextTransformer(**self.arch)
+        missing, unexpected = model.load_state_dict(self.state_dict, strict=False)
+        if missing or unexpected:
+            problem = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
+            raise WeightsError(f"the text tower's weights do not fit its config: {problem}")
+        return model.eval()
+
+
+def read_text_tower(folder: str | Path) -> TextTower:
+    """A CLIPModel folder's text tower, projection, logit scale and tokenizer; WeightsError naming what cannot be
+    served as it is."""
+    folder = Path(folder)
+    config = _json(folder / "config.json")
+    if config.get("model_type") != "clip":
+        raise WeightsError(f"{folder}: model_type {config.get('model_type')!r} has no text tower here; CLIP's does")
+    text = config.get("text_config") or {}
+    _refuse(text.get("hidden_act", "quick_gelu") not in ("quick_gelu", "gelu"), "text_config.hidden_act",
+            text.get("hidden_act"), "only quick_gelu and gelu (erf) are served")
+    state = {k: v.float() for path in weight_files(folder) for k, v in read_state_dict(path).items()
+             if k.startswith(("text_model.", "text_projection.", "logit_scale"))}
+    if "text_projection.weight" not in state or "logit_scale" not in state:
+        raise WeightsError(f"{folder}: no text_projection.weight or logit_scale: not a whole CLIPModel")
+    logit_scale = math.exp(float(state.pop("logit_scale")))
+    state = {k.removeprefix("text_model."): v for k, v in state.items() if not k.endswith("position_ids")}
+    depth, dim = text["num_hidden_layers"], text["hidden_size"]
+    state["token_embed.weight"] = state.pop("embeddings.token_embedding.weight")
+    state["pos_embed"] = state.pop("embeddings.position_embedding.weight")[None]
+    rules = _encoder(state, depth, "encoder.layers", "self_attn.", ("q_proj", "k_proj", "v_proj"), _CLIP_BLOCK)
+    rules += [(r"final_layer_norm\.(weight|bias)", r"norm.\1"), (r"text_projection\.weight", "proj.weight")]
+    eos = text.get("eos_token_id", 2)
+    arch = dict(vocab_size=text["vocab_size"], context_length=text.get("max_position_embeddings", 77),
+                embed_dim=dim, depth=depth, num_heads=text["num_attention_heads"],
+                mlp_ratio=text["intermediate_size"] / dim, norm_eps=text.get("layer_norm_eps", 1e-5),
+                act_layer=text.get("hidden_act", "quick_gelu"), proj_dim=state["text_projection.weight"].shape[0],
+                eos_token_id=None if eos == 2 else eos)  # 2: before transformers' PR #24773, the largest id ends
+    tokenizer = folder_tokenizer(folder)
+    tokenizer.no_padding()  # a saved tokenizer.json can carry the padding of the last call that saved it
+    tokenizer.enable_truncation(arch["context_length"])
+    return TextTower(arch, _renamed(state, rules), logit_scale, tokenizer)
+
+
+def folder_tokenizer(folder: Path) -> Tokenizer:
+    """The folder's tokenizer.json, or one made from its vocab.json and merges.txt (clip_tokenizer)."""
+    if (folder / "tokenizer.json").is_file():
+        try:
+            return Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # the library's own error types are not exported
+            raise WeightsError(f"{folder}/tokenizer.json: not a tokenizer the tokenizers library reads ({e})") from None
+    if not (folder / "vocab.json").is_file() or not (folder / "merges.txt").is_file():
+        raise WeightsError(f"{folder}: no tokenizer.json, and no vocab.json and merges.txt to make one from")
+    special = _json(folder / "special_tokens_map.json") if (folder / "special_tokens_map.json").is_file() else {}
+    for role, default in (("bos_token", BOS), ("eos_token", EOS), ("unk_token", EOS)):
+        token = special.get(role, default)
+        token = token.get("content") if isinstance(token, dict) else token
+        _refuse(token != default, f"special_tokens_map.json's {role}", token,
+                f"CLIP's tokenizer is made with {default}")
+    merges = [line for line in (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+              if line and not line.startswith("#version")]
+    return clip_tokenizer(_json(folder / "vocab.json"), [tuple(m.split(" ")) for m in merges])
+
+
+def clip_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Tokenizer:
+    """transformers' CLIPTokenizer (5.23) in the tokenizers library: NFC, runs of whitespace to one space, lower case;
+    split into words, byte-level; BPE with </w> ending each word; <|startoftext|> ... <|endoftext|> around."""
+    for token in (BOS, EOS):
+        if token not in vocab:
+            raise WeightsError(f"vocab.json has no {token}")
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="</w>",
+                              fuse_unk=False, unk_token=EOS))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
+                                                 normalizers.Lowercase()])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_WORDS), behavior="removed", invert=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([BOS, EOS])
+    tokenizer.post_processor = processors.RobertaProcessing((EOS, vocab[EOS]), (BOS, vocab[BOS]),
+                                                            trim_offsets=False, add_prefix_space=False)
+    return tokenizer
+
+
+def token_ids(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's ids, begun and ended by CLIP's tokens and truncated to the tokenizer's context length."""
+    return [encoding.ids for encoding in tokenizer.encode_batch(texts)]
+
