@@ -28,7 +28,8 @@ CLOSED = [("POST", "/classify", {"files": {"file": ("a.jpg", JPEG)}}),
           ("POST", "/expression", {"files": {"file": ("a.jpg", JPEG)}}),
           ("POST", "/attention-map", {"files": {"file": ("a.jpg", JPEG)}}),
           ("GET", "/attention-map?id=0", {}), ("GET", "/models", {}), ("GET", "/v2/models/shapes-vit", {}),
-          ("GET", "/v2/models/shapes-vit/ready", {}), ("POST", "/v2/models/shapes-vit/infer", {"json": {}})]
+          ("GET", "/v2/models/shapes-vit/ready", {}), ("POST", "/v2/models/shapes-vit/infer", {"json": {}}),
+          ("POST", "/v1/embeddings", {"json": {"input": "a"}})]
 OPEN = ["/health/live", "/health/ready", "/metrics", "/docs", "/openapi.json", "/v2", "/v2/", "/v2/health/ready", "/"]
 
 
@@ -53,6 +54,20 @@ def test_with_the_key_every_route_serves_and_health_metrics_and_docs_need_none(u
     # /v2/ is /v2 itself, not a redirect to it, and open as it is
     assert request(url, "GET", "/v2/").json() == request(url, "GET", "/v2").json()
     assert request(url, "HEAD", "/v2/").status_code == request(url, "HEAD", "/v2").status_code
+
+
+def test_a_bearer_token_is_the_key_as_openais_clients_send_it(url):
+    """Authorization: Bearer KEY passes where X-API-Key: KEY does; a wrong, cut or empty token, another scheme, or
+    a right token beside a wrong X-API-Key (the header named first wins) does not."""
+    def bearer(value: str, **extra) -> httpx.Response:
+        return request(url, "POST", "/classify", headers={"Authorization": value, **extra},
+                       files={"file": ("a.jpg", JPEG)})
+    assert bearer(f"Bearer {KEY}").status_code == 200
+    assert bearer(f"bearer  {KEY}").status_code == 200  # the scheme's case and spaces, as RFC 9110 allows
+    for value in (f"Bearer {KEY[:-1]}", "Bearer", f"Basic {KEY}", KEY, f"Bearer {KEY}x", f"Token {KEY}"):
+        r = bearer(value)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", (value, r.text)
+    assert bearer(f"Bearer {KEY}", **{"X-API-Key": "wrong"}).status_code == 401
 
 
 def test_cors_lets_the_configured_origin_call_with_the_key_and_no_other(url):

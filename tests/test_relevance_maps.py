@@ -242,7 +242,7 @@ def test_maps_of_several_requests_run_as_one_batch_each_as_if_alone():
         try:
             together = await asyncio.gather(*(backend.relevance("shapes-deit", images[i:i + 1], targets[i:i + 1])
                                               for i in range(6)))
-            batches = backend.relevance_batchers["shapes-deit"].finished
+            batches = backend.side_batchers["shapes-deit", "relevance"].finished
             alone = [await backend.relevance("shapes-deit", images[i:i + 1], targets[i:i + 1]) for i in range(6)]
             return together, alone, batches
         finally:

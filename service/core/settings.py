@@ -79,6 +79,14 @@ class Settings(BaseSettings):
                                                             "tensors travel in binary (the binary tensor extension)")
     max_image_pixels: int = Field(50_000_000, ge=1, description="decoded image size limit (decompression bombs)")
     max_files: int = Field(64, ge=1, description="images per /classify request")
+    max_texts: int = Field(2048, ge=1, description="texts per POST /v1/embeddings request (OpenAI's own limit), and "
+                                                   "labels per zero-shot /classify request (413 past it)")
+    max_text_chars: int = Field(2000, ge=1, description="characters of a text, a label or a prompt template (413 "
+                                                        "past it); tokens past the model's context are cut, as "
+                                                        "transformers cuts them")
+    label_cache_bytes: int = Field(64 * 2**20, ge=0, description="memory for zero-shot labels' text vectors, kept "
+                                                                 "by model, template and label, so that labels seen "
+                                                                 "before cost no text run (each HTTP worker its own)")
     shared_memory: Literal["local", "any", "false"] = Field(
         "local", description="Triton's system shared-memory extension: clients register regions of /dev/shm files "
                              "and pass /v2 tensors through them, and a client can have the server map any /dev/shm "

@@ -32,7 +32,9 @@ from service.core.errors import ServiceError
 from service.core.metrics import Metrics
 from service.core.settings import Settings
 
-from .records import KINDS, Kind, Part, Rows, count, kind_of
+from .records import Kind, Part, Rows, count, kind_of
+
+ORDER = list(Kind)  # a batch's rows: JPEGs, images, tensors (a text graph's batches are texts alone)
 
 log = logging.getLogger("vitserve")
 
@@ -328,7 +330,7 @@ class Batcher:
     async def _run(self, taken: list[tuple[Entry, Part]]) -> None:
         # JPEGs and images first (their rows come back first); parts over the same records side by side, to be
         # gathered and written back as one (records.spans)
-        taken.sort(key=lambda t: (KINDS.index(t[1].kind), id(t[1].records)))
+        taken.sort(key=lambda t: (ORDER.index(t[1].kind), id(t[1].records)))
         start = time.perf_counter()
         waits = [(start - entry.enqueued) * 1e3 for entry, _ in taken]
         parts = [part for _, part in taken]

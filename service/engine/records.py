@@ -5,7 +5,7 @@ in it, runs, and writes each image's results (its rows of every output, softmax,
 that image's record, once per batch and vectorised. The records are plain memory in this process, or slots of
 a worker's shared memory under the process backend: the same code fills both.
 
-Three kinds per model (Kind), each its own dtype, which names its kind: it travels with the records, into shared
+Three kinds per image graph (Kind), each its own dtype, which names its kind: it travels with the records, into shared
 memory and out of it.
 """
 import time
@@ -27,9 +27,10 @@ class Kind(StrEnum):
     JPEG = "jpeg"  # nothing: its JPEG's bytes travel beside it, decoded with its batch on the GPU (gpu_decode.py)
     IMAGE = "image"  # uint8 [H, W, 3] pixels: the graph's `images` input
     TENSOR = "tensor"  # float32 [3, H, W] normalised pixels: its `pixel_values` input (KServe v2 FP32 clients)
+    TEXT = "text"  # int64 token ids: a whole CLIP's text graph's input (text_dtype), batched apart from images
 
 
-KINDS = tuple(Kind)
+KINDS = (Kind.JPEG, Kind.IMAGE, Kind.TENSOR)  # an image graph's, in a batch's order
 # a batch's size and, per image, its wait and its batch's compute phases (Triton's queue, compute_input,
 # compute_infer, compute_output)
 TIMINGS = ("batch_size", "queue_ms", "input_ms", "inference_ms", "output_ms")
@@ -59,6 +60,16 @@ def relevance_dtype(entry: ModelEntry) -> np.dtype:
     fields = [("image", np.uint8, (h, w, 3)), (TARGET, np.float32, (classes,)), ("logits", np.float32, (classes,)),
               ("relevance", np.float32, (len(section["rows"]), cells))]
     return np.dtype(fields, metadata={"kind": Kind.IMAGE})
+
+
+@lru_cache(maxsize=256)
+def text_dtype(entry: ModelEntry) -> np.dtype:
+    """A record of the text graph (LocalBackend.texts): a text's token ids, padded to the context length, and how
+    many there are in; its embedding out."""
+    text = entry.manifest["text"]
+    fields = [("input_ids", np.int64, (text["context_length"],)), ("tokens", np.int32),
+              ("embedding", np.float32, (text["size"],))]
+    return np.dtype(fields, metadata={"kind": Kind.TEXT})
 
 
 def output_names(entry: ModelEntry) -> list[str]:
@@ -179,6 +190,20 @@ def host_inputs(batch: list[Span], size: tuple[int, int], empty_images: Callable
     gathered = _gather("image", images, empty_images(sum(span.size for span in images)))
     pixels = np.empty((sum(span.size for span in tensors), 3, h, w), np.float32)
     return gathered, _gather("tensor", tensors, pixels)
+
+
+def gather(parts: list[Part], field: str) -> np.ndarray:
+    """The parts' rows of one field, in the batch's order (a side graph's batch: relevance maps, texts)."""
+    return np.concatenate([part.records[field][part.rows] for part in parts])
+
+
+def scatter(parts: list[Part], outputs: dict[str, np.ndarray]) -> None:
+    """Each part's rows of every output back into its records, in the batch's order (a side graph's batch)."""
+    row = 0
+    for part in parts:
+        for name, value in outputs.items():
+            part.records[name][part.rows] = value[row:row + part.size]
+        row += part.size
 
 
 def write_results(batch: list[Span], outputs: dict[str, np.ndarray], queue_ms: list[float],

@@ -22,7 +22,7 @@ from service.protocol.statistics import metrics_page
 from . import error_responses
 from .hot_routes import HotRoutes
 from .middleware import ApiKey, BodyLimit, CancelOnDisconnect, HeadAsGet, RequestMetrics, TraceRequests
-from .routes import (attention, classify, embed, expression, health, kserve, models, repository,
+from .routes import (attention, classify, embed, expression, health, kserve, models, openai_embeddings, repository,
                      shared_memory)
 
 log = logging.getLogger("vitserve")
@@ -74,8 +74,9 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     app.state.settings, app.state.metrics, app.state.pipelines = settings, metrics, pipelines
     error_responses.install(app)
     # the busiest routes first: routes are matched in order
-    for router in (classify.router, embed.router, kserve.router, expression.router, attention.router, models.router,
-                   health.router, repository.router, shared_memory.router, shared_memory.cuda_router):
+    for router in (classify.router, embed.router, kserve.router, openai_embeddings.router, expression.router,
+                   attention.router, models.router, health.router, repository.router, shared_memory.router,
+                   shared_memory.cuda_router):
         app.include_router(router)
 
     @app.get("/", include_in_schema=False)
@@ -99,7 +100,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None,
     app.add_middleware(RequestMetrics, metrics=metrics)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Content-Type", "X-API-Key", "Inference-Header-Content-Length"],
+                           allow_headers=["Content-Type", "X-API-Key", "Authorization",
+                                          "Inference-Header-Content-Length"],
                            expose_headers=["Retry-After", "Inference-Header-Content-Length"])
     if tracing.on():  # (OTEL_TRACES_EXPORTER=otlp) each request a span, around all the rest
         app.add_middleware(TraceRequests)

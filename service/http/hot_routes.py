@@ -65,9 +65,21 @@ class HotRoutes:
 
 
 def query_model(model: type[BaseModel], query_string: bytes) -> BaseModel:
-    """The query string checked by `model`, as FastAPI checks a query parameter model: the last of repeated
-    names; a refusal is FastAPI's 422."""
+    """The query string checked by `model`, as FastAPI checks a query parameter model: every value of a list field
+    (labels=a&labels=b), the last of other repeated names; a refusal is FastAPI's 422, and so is a value that is
+    not UTF-8."""
+    lists = {name for name, field in model.model_fields.items() if "list" in str(field.annotation)}
+    values: dict[str, str | list[str]] = {}
     try:
-        return model.model_validate(dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)))
+        for name, value in parse_qsl(query_string.decode("latin-1"), keep_blank_values=True, errors="strict"):
+            if name in lists:
+                values.setdefault(name, []).append(value)
+            else:
+                values[name] = value
+    except UnicodeDecodeError as e:
+        raise RequestValidationError([{"loc": ("query",), "msg": f"not UTF-8: {e.reason} at byte {e.start}",
+                                       "type": "unicode"}]) from None
+    try:
+        return model.model_validate(values)
     except ValidationError as e:
         raise RequestValidationError([{**error, "loc": ("query", *error["loc"])} for error in e.errors()]) from None

@@ -147,9 +147,9 @@ def _decompress(decoder, data: bytes, room: int, last: bool) -> bytes:
 
 
 class ApiKey:
-    """401 unless the request's X-API-Key header holds the key (compared in constant time), on every route but
-    the open ones: health, metrics, the API docs, the index and the v2 server metadata. New routes are closed
-    until opened here."""
+    """401 unless the request's X-API-Key header (or its Bearer token) holds the key (compared in constant time), on
+    every route but the open ones: health, metrics, the API docs, the index and the v2 server metadata. New routes
+    are closed until opened here."""
 
     OPEN_PREFIXES = ("/health/", "/v2/health/", "/metrics", "/docs", "/redoc", "/openapi.json")
     OPEN_PATHS = ("/", "/v2", "/v2/")  # /v2/ is /v2 (routes/kserve.py)
@@ -162,11 +162,21 @@ class ApiKey:
         if scope["type"] != "http" or path in self.OPEN_PATHS or path.startswith(self.OPEN_PREFIXES):
             return await self.app(scope, receive, send)
         try:
-            check_key(dict(scope["headers"]).get(b"x-api-key", b""), self.key, "the X-API-Key header")
+            check_key(given_key(dict(scope["headers"])), self.key,
+                      "the X-API-Key header (or Authorization: Bearer, as OpenAI's clients send it)")
         except Unauthenticated as e:
             return await error_response(401, e.code, e.message, {"WWW-Authenticate": 'APIKey header="X-API-Key"'},
                                         path)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def given_key(headers: dict[bytes, bytes]) -> bytes:
+    """The key a request sends: its X-API-Key header, else its Authorization: Bearer token (what the `openai`
+    client sends, /v1/embeddings); nothing for neither."""
+    if (key := headers.get(b"x-api-key")) is not None:
+        return key
+    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
 
 
 class CancelOnDisconnect:

@@ -128,6 +128,10 @@ class ModelInfo(BaseModel):
     embedding: dict | None = Field(None, description="the image embedding POST /embed answers with: the graph's "
                                                      "output, its size and how it pools the tokens; null for a model "
                                                      "without one (a CNN)")
+    text: dict | None = Field(None, description="a whole CLIP's text tower: its size, context length, scoring rule "
+                                                "(softmax or sigmoid), logit scale and bias and default prompt "
+                                                "template, for zero-shot /classify?labels= and /v1/embeddings "
+                                                "texts; null for a model without one")
     parity: dict = Field(description="the export's parity figures, from the manifest")
 
 

@@ -18,8 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+from tokenizers import Tokenizer
 
-from repository import ModelEntry
+from repository import ModelEntry, verify_file
 from service.core import tracing
 from service.core.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, overloaded
 from service.core.metrics import Metrics
@@ -36,6 +37,7 @@ from service.images.gpu_decode import is_jpeg
 
 from .faces import DetectorSettings, FaceBudget, FaceDetector, Faces, FoundFaces, align
 from .response_cache import ResponseCache, upload_key
+from .texts import check_texts, normalized, open_tokenizer, prompts, token_batch
 
 log = logging.getLogger("vitserve")
 
@@ -117,10 +119,12 @@ def counted(method):
 class Pipeline:
     def __init__(self, entry: ModelEntry, backend: Backend, decode_pool: ThreadPoolExecutor, settings: Settings,
                  metrics: Metrics, detector: FaceDetector | None = None, detector_problem: str | None = None,
-                 loads: int = 1, responses: ResponseCache | None = None):
+                 loads: int = 1, responses: ResponseCache | None = None, labels: ResponseCache | None = None):
         self.entry, self.backend, self.decode_pool, self.settings, self.metrics = (
             entry, backend, decode_pool, settings, metrics)
         self.responses = responses  # answers kept by upload (response_cache.py), None where it is off
+        self.labels = labels  # zero-shot labels' unit text vectors, kept by prompt (the same), None where it is off
+        self._tokenizer: Tokenizer | None = None  # a whole CLIP's, opened on first use
         self.loads = loads  # the backend's load of the model version it was made for
         self.detector, self.detector_problem = detector, detector_problem  # expression models' faces
         # the name clients call it by; the key the backend serves this version by (NAME, or NAME@VERSION)
@@ -352,6 +356,54 @@ class Pipeline:
         logits, maps = await self.backend.relevance(self.key, images, np.ascontiguousarray(targets, np.float32))
         return Results({"logits": logits, "relevance": maps}, [0.0] * len(images))
 
+    async def texts(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Texts' embeddings by the text tower, float32 [n, size], not normalised, and each text's token count [n]:
+        tokenized in the decode pool, the request's texts at once, then run in batches with other requests' texts,
+        a batch's worth at a time (so that a request's 2,048 texts never hold the whole queue, nor pass its limit)."""
+        self.check_text()
+        check_texts(texts, self.settings.max_texts, self.settings.max_text_chars)
+        text = self.entry.manifest["text"]
+        ids, tokens = await asyncio.get_running_loop().run_in_executor(
+            self.decode_pool, lambda: token_batch(self.tokenizer, texts, text["context_length"], text["pad_id"]))
+        step = min(self.batching.max_batch_size, self.batching.queue_limit)
+        vectors = []
+        for start in range(0, len(texts), step):
+            check_deadline(request_deadline(), self.name, f"after {start} of its {len(texts)} texts")
+            vectors.append(await self.backend.texts(self.key, ids[start:start + step], tokens[start:start + step]))
+        return np.concatenate(vectors), tokens
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = open_tokenizer(verify_file(self.entry, "tokenizer"),
+                                             self.entry.manifest["text"]["context_length"])
+        return self._tokenizer
+
+    def prompts(self, labels: list[str], template: str | None) -> list[str]:
+        """Zero-shot labels in the template's {} (the model's own by default), checked before any work: BadInput
+        or TooLarge for those that cannot be scored (texts.prompts)."""
+        self.check_text()
+        text = self.entry.manifest["text"]
+        return prompts(labels, text["template"] if template is None else template, text["scores"],
+                       self.settings.max_texts, self.settings.max_text_chars)
+
+    async def label_vectors(self, texts: list[str]) -> np.ndarray:
+        """Zero-shot prompts' unit text vectors [labels, size]: those kept from an earlier request are not run
+        again."""
+        text = self.entry.manifest["text"]
+        keys = [(self.key, self.loads, prompt) for prompt in texts]
+        kept = [self.labels.get(key) if self.labels is not None else None for key in keys]
+        missed = [i for i, row in enumerate(kept) if row is None]
+        vectors = np.empty((len(texts), text["size"]), np.float32)
+        if missed:
+            vectors[missed] = normalized((await self.texts([texts[i] for i in missed]))[0])
+        for i, (key, row) in enumerate(zip(keys, kept)):
+            if row is not None:
+                vectors[i] = row["vector"]
+            elif self.labels is not None:
+                self.labels.put(key, {"vector": vectors[i].copy()})
+        return vectors
+
     def _check_count(self, n: int) -> None:
         if n > (limit := self.batching.queue_limit):  # it would never fit: retrying later (503) cannot help
             raise TooLarge(f"{n} images in one request; this model's queue holds {limit} (VITSERVE_QUEUE_LIMIT, or "
@@ -450,6 +502,12 @@ class Pipeline:
         if not self.classifies:
             raise BadInput(f"{self.name} is a model of task {self.entry.task}, whose head gives no labels' scores: "
                            "name a classification model", "no_classifier")
+
+    def check_text(self) -> None:
+        """BadInput, before any work, for texts asked of a model without a text tower."""
+        if not self.entry.has("text"):
+            raise BadInput(f"{self.name} has no text tower: texts are embedded, and labels scored, by a whole CLIP "
+                           "(python -m export on a CLIPModel folder). Name such a model", "no_text_tower")
 
     def check_embedding(self) -> None:
         """BadInput, before any work, for embeddings asked of a model without an embedding output."""

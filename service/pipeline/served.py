@@ -31,6 +31,7 @@ class Pipelines:
         threads = settings.decode_threads or min(8, os.cpu_count() or 1)
         self.decode_pool = ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=name_pool_thread)
         self.responses = ResponseCache(settings.response_cache_bytes) if settings.response_cache_bytes else None
+        self.labels = ResponseCache(settings.label_cache_bytes) if settings.label_cache_bytes else None
         self.pipelines: dict[str, Pipeline] = {}  # by key
         self._latest: dict[str, Pipeline] = {}  # by name: the version it reaches
         self._generation = -1  # the backend's status generation they were made for
@@ -109,11 +110,13 @@ class Pipelines:
             # the same load of the same manifest: a new inference process (its loads counted from 1 again) may have
             # read a folder changed on disk
             same = pipeline is not None and pipeline.loads == s.loads and pipeline.entry.manifest == entry.manifest
-            if pipeline is not None and not same and self.responses is not None:
-                self.responses.forget(entry.key)  # reloaded: its answers may not be the new weights'
+            if pipeline is not None and not same:  # reloaded: its answers may not be the new weights'
+                for cache in (self.responses, self.labels):
+                    if cache is not None:
+                        cache.forget(entry.key)
             live[entry.key] = pipeline if same else Pipeline(
                 entry, self.backend, self.decode_pool, self.settings, self.metrics, self.detector,
-                self.detector_problem, s.loads, self.responses)
+                self.detector_problem, s.loads, self.responses, self.labels)
         latest: dict[str, Pipeline] = {}
         for key, pipeline in live.items():
             best = latest.get(pipeline.name)

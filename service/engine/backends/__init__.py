@@ -146,6 +146,11 @@ class Backend(Protocol):
         weight vector over the classes per image [n, classes], zeros for its top label -> (logits [n, classes],
         relevance [n, rows, grid cells])."""
 
+    async def texts(self, model: str, input_ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Texts' embeddings (a whole CLIP's text graph, batched across requests): int64 token ids [n, context
+        length], each text padded after its end, and each text's token count [n] -> float32 [n, size], not
+        normalised."""
+
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """A client's system shared memory, registered under `name` (shared_memory.Regions.register)."""
 

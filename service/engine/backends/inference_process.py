@@ -296,6 +296,8 @@ class InferenceServer:
         if op == Op.RELEVANCE:  # (each message answered in a task of its own: the requests batch together)
             logits, maps = await backend.relevance(message["model"], arrays["images"], arrays["targets"])
             return {}, {"logits": logits, "relevance": maps}
+        if op == Op.TEXTS:  # (the same: texts batch together)
+            return {}, {"embeddings": await backend.texts(message["model"], arrays["input_ids"], arrays["tokens"])}
         if op in (Op.LOAD, Op.UNLOAD):
             await getattr(backend.models, op)(message["model"])
             return {}, {}

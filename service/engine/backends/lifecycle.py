@@ -19,6 +19,7 @@ from contextlib import suppress
 from typing import Protocol
 
 import numpy as np
+import onnxruntime as ort
 
 from repository import ModelEntry, find_entries, model_manifests, servable
 from service.core.errors import BadInput, NotFound, ServiceError
@@ -87,6 +88,7 @@ class ModelLifecycle:
         self.runners: dict[str, Runner] = {}  # by graph
         self.explainers: dict[str, Runner] = {}  # by graph, opened on first use (LocalBackend.explain)
         self.relevances: dict[str, Runner] = {}  # by graph, the relevance graphs' runners, opened on first use
+        self.text_sessions: dict[str, ort.InferenceSession] = {}  # by graph, a whole CLIP's text graph, the same
         self.cpu_plans: dict[str, Choice | None] = {}  # by graph: the plan chosen on the CPU (None on CUDA)
         self.jpeg_decoders: dict[str, object] = {}  # by graph: GPU JPEG decoders (gpu_decode.py), where they work
         self.decode_reasons: dict[str, str] = {}  # by graph: why its GPU decoder did not start (ModelStatus)
@@ -303,6 +305,7 @@ class ModelLifecycle:
         self.runners[graph], self.cpu_plans[graph] = runner, chosen
         self.explainers.pop(graph, None)
         self.relevances.pop(graph, None)
+        self.text_sessions.pop(graph, None)
         if key in self.by_key:
             self.entries[self.entries.index(self.by_key[key])] = entry
         else:
@@ -341,6 +344,7 @@ class ModelLifecycle:
             self.runners.pop(graph, None)
             self.explainers.pop(graph, None)
             self.relevances.pop(graph, None)
+            self.text_sessions.pop(graph, None)
             release_memory()
         log.info("%s unloaded", key)
 

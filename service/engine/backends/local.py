@@ -29,9 +29,9 @@ from ..batching import Batcher, QueueFull
 from ..cpu_plans import CpuPlan, open_runner
 from ..openvino_runtime import OpenVinoRunner
 from ..heads import head
-from ..records import (TARGET, Kind, Part, host_inputs, kind_of, record_dtype, relevance_dtype, row_numbers, spans,
-                       write_results)
-from ..runtime import Runner, batches_in_flight, choose_device, cuda_blocking_sync
+from ..records import (TARGET, Kind, Part, gather, host_inputs, kind_of, record_dtype, relevance_dtype, row_numbers,
+                       scatter, spans, text_dtype, write_results)
+from ..runtime import Runner, batches_in_flight, choose_device, cuda_blocking_sync, open_session
 from ..shared_memory import Regions, SharedIO
 from . import Lease, ModelStatus
 from .board import BOARD_SLOTS, Board, Boards
@@ -51,7 +51,8 @@ class LocalBackend:
         self.health = DeviceHealth(settings.device_broken_batches, settings.device_broken_s, on_broken)
         self.models = ModelLifecycle(settings, metrics, self, on_status)  # reads the repository: it fails here
         self.batchers: dict[str, Batcher] = {}  # by graph
-        self.relevance_batchers: dict[str, Batcher] = {}  # by graph, started on first use (relevance)
+        # by (graph, side graph: relevance, text), started on first use: maps and texts batch apart from images
+        self.side_batchers: dict[tuple[str, str], Batcher] = {}
         self.cache = AttentionCache(settings.attention_cache_items, settings.attention_cache_bytes,
                                     settings.attention_ttl_s)
         self.regions = Regions()  # clients' system shared memory
@@ -115,9 +116,9 @@ class LocalBackend:
     async def close_graph(self, graph: str) -> None:
         await self.batchers[graph].drained()
         await self.batchers.pop(graph).stop()
-        if (relevance := self.relevance_batchers.pop(graph, None)) is not None:
-            await relevance.drained()
-            await relevance.stop()
+        for side in [side for side in self.side_batchers if side[0] == graph]:
+            await self.side_batchers[side].drained()
+            await self.side_batchers.pop(side).stop()
 
     def _run_batch(self, graph: str):
         models = self.models
@@ -162,7 +163,7 @@ class LocalBackend:
 
     async def close(self) -> None:
         await self.models.close()
-        for batcher in [*self.batchers.values(), *self.relevance_batchers.values()]:
+        for batcher in [*self.batchers.values(), *self.side_batchers.values()]:
             await batcher.stop()
         if self.inference is not None:
             self.inference.shutdown(wait=True, cancel_futures=True)
@@ -239,14 +240,35 @@ class LocalBackend:
         if not entry.has("relevance"):
             raise BadInput(f"{model} has no relevance graph: export it again with this version of python -m export "
                            "(without --no-explain) for method=relevance", "relevance_unavailable")
-        batcher = self.relevance_batchers.get(graph)
-        if batcher is None:
-            batcher = self.relevance_batchers[graph] = Batcher(
-                f"{graph}:relevance", self._run_relevance(graph, list(self.models.plans[model].providers)),
-                self.inference, self.metrics, self.models.batching(graph), self.concurrency)
-            batcher.start()
         records = np.empty(len(images), relevance_dtype(entry))
         records["image"], records["target"] = images, targets
+        await self._side_batch(model, "relevance", records, self._run_relevance)
+        return records["logits"].copy(), records["relevance"].copy()
+
+    async def texts(self, model: str, input_ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Texts' embeddings (a whole CLIP's text graph), batched with other requests' texts: token ids [n, context
+        length], each text's padded after its end, and how many each has [n] -> float32 [n, size], not
+        normalised."""
+        graph = self.models.plans[model].graph
+        entry = self.models.by_key[graph]
+        if not entry.has("text"):
+            raise BadInput(f"{model} has no text tower", "no_text_tower")
+        records = np.empty(len(input_ids), text_dtype(entry))
+        records["input_ids"], records["tokens"] = input_ids, tokens
+        await self._side_batch(model, "text", records, self._run_texts)
+        return records["embedding"].copy()
+
+    async def _side_batch(self, model: str, side: str, records: np.ndarray,
+                          runner: Callable[[str, list[str]], Callable]) -> None:
+        """`records` run on the model's side graph `side` (`runner` makes its batches' function), in a batch with
+        other requests' (the graph's batching policy; overloaded past its queue limit)."""
+        graph = self.models.plans[model].graph
+        batcher = self.side_batchers.get((graph, side))
+        if batcher is None:
+            batcher = self.side_batchers[graph, side] = Batcher(
+                f"{graph}:{side}", runner(graph, list(self.models.plans[model].providers)), self.inference,
+                self.metrics, self.models.batching(graph), self.concurrency)
+            batcher.start()
         try:
             queued = batcher.submit(records, priority=request_priority())
         except QueueFull as e:
@@ -256,7 +278,6 @@ class LocalBackend:
         except asyncio.CancelledError:
             await batcher.settled(queued)
             raise
-        return records["logits"].copy(), records["relevance"].copy()
 
     def _run_relevance(self, graph: str, providers: list[str]):
         """A batch of relevance records: each part's images and targets gathered, run, and written back."""
@@ -272,14 +293,28 @@ class LocalBackend:
                     self.settings.intra_op_threads, self.settings.spin_wait,
                     self.settings.cuda_tf32, iobinding=self.settings.iobinding)
             start = time.perf_counter()
-            images = np.concatenate([p.records["image"][p.rows] for p in parts])
-            targets = np.concatenate([p.records["target"][p.rows] for p in parts])
-            outputs = models.relevances[graph].run(images, targets)
-            row = 0
-            for part in parts:
-                for name in ("logits", "relevance"):
-                    part.records[name][part.rows] = outputs[name][row:row + part.size]
-                row += part.size
+            outputs = models.relevances[graph].run(gather(parts, "image"), gather(parts, "target"))
+            scatter(parts, {name: outputs[name] for name in ("logits", "relevance")})
+            return time.perf_counter() - start
+
+        return run
+
+    def _run_texts(self, graph: str, providers: list[str]):
+        """A batch of text records: their ids gathered and cut to the longest text's tokens, run, and written back."""
+        models = self.models
+
+        def run(parts: list[Part], queue_ms: list[float]) -> float:
+            if (broken := self.problem()) is not None:
+                raise broken
+            entry = models.by_key[graph]
+            if graph not in models.text_sessions:  # only the inference threads get here; a second open is harmless
+                models.text_sessions[graph] = open_session(
+                    verify_file(entry, "text"), providers, self.settings.intra_op_threads, self.settings.spin_wait,
+                    self.settings.cuda_tf32)
+            start = time.perf_counter()
+            ids = gather(parts, "input_ids")[:, :gather(parts, "tokens").max()]  # (causal: the padding after is moot)
+            text = entry.manifest["text"]
+            scatter(parts, {"embedding": models.text_sessions[graph].run([text["output"]], {text["input"]: ids})[0]})
             return time.perf_counter() - start
 
         return run

@@ -408,6 +408,10 @@ class ProcessBackend:
         _, arrays = await self._ask({"op": Op.RELEVANCE, "model": model}, {"images": images, "targets": targets})
         return arrays["logits"], arrays["relevance"]
 
+    async def texts(self, model: str, input_ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        _, arrays = await self._ask({"op": Op.TEXTS, "model": model}, {"input_ids": input_ids, "tokens": tokens})
+        return arrays["embeddings"]
+
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
         await self._ask({"op": Op.REGISTER_REGION, "name": name, "key": key, "offset": offset,
                          "byte_size": byte_size})

@@ -35,8 +35,8 @@ class Op(StrEnum):
       CANCEL  a request of a frame (by its place in it) given up (client gone, timeout): its slots leave the
               queue
     A worker asks, and the reply carries the same "id" (and "error" where it failed):
-      EXPLAIN, RELEVANCE, LOAD, UNLOAD, INDEX, STORE_ATTENTION, RECALL_ATTENTION, REGISTER_REGION, UNREGISTER_REGION,
-      REGION_STATUS
+      EXPLAIN, RELEVANCE, TEXTS, LOAD, UNLOAD, INDEX, STORE_ATTENTION, RECALL_ATTENTION, REGISTER_REGION,
+      UNREGISTER_REGION, REGION_STATUS
     """
     HELLO = "hello"
     STATUS = "status"
@@ -48,6 +48,7 @@ class Op(StrEnum):
     CANCEL = "cancel"
     EXPLAIN = "explain"
     RELEVANCE = "relevance"
+    TEXTS = "texts"
     LOAD = "load"
     UNLOAD = "unload"
     INDEX = "index"

@@ -1,19 +1,23 @@
-"""POST /classify: one image (`file`) or several (`files`, each its own batch item) -> top-k labels."""
+"""POST /classify: one image (`file`) or several (`files`, each its own batch item) -> top-k labels: the model's own
+classes, or (zero-shot, a whole CLIP) the labels the request names, scored by their prompts' text vectors."""
 import time
 import uuid
 from typing import Annotated
 
+import numpy as np
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from service.core.urgency import PRIORITY, TIMEOUT_MS, from_query
-from service.engine.heads import Classifier
+from service.core.errors import BadInput
+from service.engine.heads import OUTPUTS_ONLY, Classifier
 from service.pipeline.pipeline import Pipeline, Results
 from service.pipeline.served import Pipelines
+from service.pipeline.texts import best, zero_shot_scores
 
 from ..schemas import ClassifyResponse
 from .responses import batch_and_timings, json_response
-from .uploads import read_images, upload_body
+from .uploads import form_parts, images_of, texts_of, upload_body
 
 router = APIRouter(tags=["inference"])
 
@@ -23,6 +27,11 @@ class ClassifyQuery(BaseModel):
     model: str | None = Field(None, description="model name (default: the server's default model)")
     top_k: int = Field(5, ge=1, le=100, description="how many labels per image")
     attention: bool = Field(False, description="keep the attention maps for GET /attention-map")
+    labels: list[str] | None = Field(None, description="zero-shot: the labels to score, this parameter repeated "
+                                                       "(labels=cat&labels=dog), of a model with a text tower "
+                                                       "(a whole CLIP)")
+    template: str | None = Field(None, description="zero-shot: the prompt, its {} taking each label (default: the "
+                                                   "model's, e.g. 'a photo of a {}.')")
     timeout_ms: int | None = Field(None, ge=1, le=3_600_000, description=TIMEOUT_MS)
     priority: int | None = Field(None, ge=0, le=100, description=PRIORITY)
 
@@ -32,6 +41,16 @@ def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]
     labels, (index, score) = pipeline.entry.labels, Classifier.best(out.fields, top_k)
     return [[{"label": labels[i], "index": i, "score": s} for i, s in zip(*best)]
             for best in zip(index.tolist(), score.tolist())]
+
+
+def zero_shot(pipeline: Pipeline, out: Results, labels: list[str], vectors: np.ndarray, top_k: int
+              ) -> list[list[dict]]:
+    """Per image, its top-k of the request's labels, best first: its embedding against the labels' text vectors,
+    scored as the model scores (texts.zero_shot_scores)."""
+    scores = zero_shot_scores(out.fields[pipeline.entry.embedding["output"]], vectors, pipeline.entry.manifest["text"])
+    index, score = best(scores, top_k)
+    return [[{"label": labels[i], "index": i, "score": s} for i, s in zip(*row)]
+            for row in zip(index.tolist(), score.tolist())]
 
 
 @router.post(
@@ -45,7 +64,8 @@ def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]
                                                                   "than the limit or the model's queue holds"},
                415: {"description": "not an image"}, 503: {"description": "overloaded or still loading"},
                504: {"description": "past the request's timeout_ms"}},
-    openapi_extra=upload_body({"file": "one image (JPEG, PNG, WebP, ...)"}, several="files"),
+    openapi_extra=upload_body({"file": "one image (JPEG, PNG, WebP, ...)"}, several="files",
+                              texts={"labels": "zero-shot labels, this field repeated (or the query's labels)"}),
 )
 async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -> Response:
     start = time.perf_counter()
@@ -53,23 +73,45 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
     pipelines: Pipelines = request.app.state.pipelines
     from_query(start, query.timeout_ms, query.priority, pipelines.settings.priority_levels)
 
+    labels: list[str] | None = None  # zero-shot: the query's labels, or the form's
+    prompts: list[str] | None = None
+
     async def read(chosen: Pipeline) -> list[tuple[str | None, bytes]]:
-        chosen.check_classifier()
+        nonlocal labels, prompts
+        parts = await form_parts(request)
+        form_labels = texts_of(parts, "labels")
+        if query.labels is not None and form_labels:
+            raise BadInput("labels both in the query and in the form: send them in one", "labels_twice")
+        labels = query.labels if query.labels is not None else form_labels or None
+        if labels is None and query.template is not None:
+            raise BadInput("template without labels: it is the prompt of zero-shot labels (labels=...)", "no_labels")
+        if labels is not None:
+            prompts = chosen.prompts(labels, query.template)
+            chosen.check_embedding()
+        else:
+            chosen.check_classifier()
         if attention:
             chosen.check_attention()
-        return await read_images(request, ("file", "files"), pipelines.settings.max_files)
+        return [(filename, data) for _, filename, data in images_of(parts, ("file", "files"),
+                                                                    pipelines.settings.max_files)]
 
     pipeline, uploads = await pipelines.routed(read, model)
-    out = await pipeline.images([data for _, data in uploads], top_k, for_maps=attention)
+    images = [data for _, data in uploads]
+    if prompts is None:
+        out = await pipeline.images(images, top_k, for_maps=attention)
+        answers, scores = predictions(pipeline, out, top_k), pipeline.entry.scores
+    else:
+        vectors = await pipeline.label_vectors(prompts)
+        out = await pipeline.images(images, OUTPUTS_ONLY, for_maps=attention)
+        answers = zero_shot(pipeline, out, labels, vectors, top_k)
+        scores = pipeline.entry.manifest["text"]["scores"]
     total_ms = (time.perf_counter() - start) * 1e3
     results = []
-    for i, ((filename, _), best, ran) in enumerate(zip(uploads, predictions(pipeline, out, top_k),
-                                                       batch_and_timings(out, total_ms))):
+    for i, ((filename, _), top, ran) in enumerate(zip(uploads, answers, batch_and_timings(out, total_ms))):
         if (error := out.errors.get(i)) is not None:  # this file alone could not be read
             results.append({"filename": filename, "error": {"code": error.code, "message": error.message}})
             continue
         key = await pipeline.store_attention(out, i) if attention else None
-        results.append({"id": key or uuid.uuid4().hex, "filename": filename, "predictions": best, **ran,
+        results.append({"id": key or uuid.uuid4().hex, "filename": filename, "predictions": top, **ran,
                         "attention_map_url": f"/attention-map?id={key}" if key else None})
-    return json_response({"model": pipeline.name, "plan": pipeline.plan, "scores": pipeline.entry.scores,
-                          "results": results})
+    return json_response({"model": pipeline.name, "plan": pipeline.plan, "scores": scores, "results": results})

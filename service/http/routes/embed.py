@@ -18,6 +18,7 @@ from service.core.urgency import PRIORITY, TIMEOUT_MS, from_query
 from service.engine.heads import OUTPUTS_ONLY
 from service.pipeline.pipeline import Pipeline
 from service.pipeline.served import Pipelines
+from service.pipeline.texts import normalized
 
 from ..schemas import EmbedResponse
 from .responses import batch_and_timings, json_response
@@ -41,12 +42,6 @@ class EmbedQuery(BaseModel):
                                                           "little-endian bytes, base64 (faster to make and to read)")
     timeout_ms: int | None = Field(None, ge=1, le=3_600_000, description=TIMEOUT_MS)
     priority: int | None = Field(None, ge=0, le=100, description=PRIORITY)
-
-
-def normalized(vectors: np.ndarray) -> np.ndarray:
-    """Each row divided by its L2 norm (a zero row stays zero, as torch's F.normalize leaves it)."""
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return vectors / np.maximum(norms, 1e-12)
 
 
 def encoded(vectors: np.ndarray, encoding: Encoding) -> list:

@@ -21,7 +21,8 @@ def model_info(pipeline: Pipeline, status: ModelStatus) -> ModelInfo:
         plan_reason=status.plan_reason, plan_measured=status.plan_measured,
         graph=status.graph, decode=status.decode, decode_reason=status.decode_reason, ready=status.ready,
         error=status.error, attention=pipeline.entry.attention, explain=pipeline.entry.has("explain"),
-        relevance=pipeline.entry.manifest.get("relevance"), embedding=pipeline.entry.embedding, parity=m["parity"])
+        relevance=pipeline.entry.manifest.get("relevance"), embedding=pipeline.entry.embedding, text=m.get("text"),
+        parity=m["parity"])
 
 
 @router.get("/models", response_model=ModelsResponse, summary="The served models")

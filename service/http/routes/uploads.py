@@ -53,11 +53,21 @@ async def read_images(request: Request, fields: tuple[str, ...], max_files: int)
 
 async def read_uploads(request: Request, fields: tuple[str, ...], max_files: int
                        ) -> list[tuple[str, str | None, bytes]]:
-    """The (field, filename, bytes) of the parts named one of `fields`, in order: every such part is an image (on
-    routes that take one, a second is an error, not silently dropped). No image at all is 400 on every route."""
+    """The (field, filename, bytes) of the parts named one of `fields`, in order (images_of)."""
+    return images_of(await form_parts(request), fields, max_files)
+
+
+async def form_parts(request: Request) -> list[tuple[str, str | None, bytes]]:
+    """Every part of the request's multipart body, (field, filename, bytes); none for an empty body."""
     content_type = request.headers.get("content-type", "")
     body = await request.body()
-    parts = parse_multipart(body, content_type) if body or "multipart" in content_type else []
+    return parse_multipart(body, content_type) if body or "multipart" in content_type else []
+
+
+def images_of(parts: list[tuple[str, str | None, bytes]], fields: tuple[str, ...], max_files: int
+              ) -> list[tuple[str, str | None, bytes]]:
+    """The parts named one of `fields`, in order: every such part is an image (on routes that take one, a second is
+    an error, not silently dropped). No image at all is 400 on every route."""
     images = [(field, filename, data) for field, filename, data in parts if field in fields]
     if not images:
         raise BadInput(f"send an image as the multipart field '{fields[0]}'"
@@ -69,11 +79,25 @@ async def read_uploads(request: Request, fields: tuple[str, ...], max_files: int
     return images
 
 
-def upload_body(fields: dict[str, str], several: str | None = None) -> dict:
-    """The OpenAPI requestBody of a multipart upload: `fields` one file each, `several` an array of files."""
+def texts_of(parts: list[tuple[str, str | None, bytes]], field: str) -> list[str]:
+    """The values of the form's text fields named `field`, in order; BadInput for one that is not UTF-8."""
+    texts = []
+    for i, (_, _, data) in enumerate(part for part in parts if part[0] == field):
+        try:
+            texts.append(data.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise BadInput(f"the form's {field} {i} is not UTF-8: {e.reason} at byte {e.start}", "not_utf8") from None
+    return texts
+
+
+def upload_body(fields: dict[str, str], several: str | None = None, texts: dict[str, str] | None = None) -> dict:
+    """The OpenAPI requestBody of a multipart upload: `fields` one file each, `several` an array of files, `texts`
+    arrays of strings."""
     properties = {name: {"type": "string", "format": "binary", "description": text} for name, text in fields.items()}
     if several:
         properties[several] = {"type": "array", "items": {"type": "string", "format": "binary"},
                                "description": "several images, each its own batch item"}
+    for name, text in (texts or {}).items():
+        properties[name] = {"type": "array", "items": {"type": "string"}, "description": text}
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {
         "schema": {"type": "object", "properties": properties}}}}}

@@ -1,0 +1,95 @@
+"""Texts for a whole CLIP's text tower (the manifest's `text`): what a text may be, how texts become token ids, and
+how labels score an image (zero-shot classification).
+
+A text is checked before any work: not empty, no control characters but whitespace, at most
+VITSERVE_MAX_TEXT_CHARS characters (its tokens past the model's context are cut, as transformers cuts them), at most
+VITSERVE_MAX_TEXTS of them. Tokenizing is the `tokenizers` library's, a request's texts at once (its Rust code, in the
+decode pool); the ids are padded with the manifest's pad_id after each text's end, which the causal text graph
+never sees.
+"""
+import re
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from service.core.errors import BadInput, TooLarge
+
+# Unicode's control characters (Cc) but the whitespace a text may hold: tab, line feed, carriage return
+CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def check_texts(texts: list[str], max_texts: int, max_chars: int, what: str = "text") -> None:
+    """BadInput or TooLarge, naming the first text that cannot be embedded, by its place, and why."""
+    if not texts:
+        raise BadInput(f"no {what}s: send at least one", f"no_{what}s")
+    if len(texts) > max_texts:
+        raise TooLarge(f"{len(texts)} {what}s in one request; at most {max_texts} (VITSERVE_MAX_TEXTS)",
+                       f"too_many_{what}s")
+    for i, text in enumerate(texts):
+        if not text.strip():
+            raise BadInput(f"{what} {i} is empty", f"empty_{what}")
+        if len(text) > max_chars:
+            raise TooLarge(f"{what} {i} has {len(text)} characters; at most {max_chars} (VITSERVE_MAX_TEXT_CHARS)",
+                           f"{what}_too_long")
+        if (found := CONTROL.search(text)) is not None:
+            raise BadInput(f"{what} {i} holds the control character U+{ord(found[0]):04X} "
+                           f"({unicodedata.name(found[0], 'unnamed')})", "control_character")
+
+
+def prompts(labels: list[str], template: str, scores: str, max_texts: int, max_chars: int) -> list[str]:
+    """Each label in the template's {} (zero-shot classification's texts); BadInput or TooLarge for labels or a
+    template that cannot be scored: softmax (CLIP) needs two labels at least, and no label twice."""
+    check_texts(labels, max_texts, max_chars, "label")
+    if scores == "softmax" and len(labels) < 2:
+        raise BadInput("one label: its softmax over the labels is 1 whatever the image; send two or more",
+                       "too_few_labels")
+    if len(set(labels)) < len(labels):
+        twice = next(label for i, label in enumerate(labels) if label in labels[:i])
+        raise BadInput(f"the label {twice!r} is given twice", "duplicate_label")
+    check_texts([template], 1, max_chars, "template")
+    if template.count("{}") != 1 or template.replace("{}", "").count("{") or template.replace("{}", "").count("}"):
+        raise BadInput(f"the template {template!r} must hold {{}} once, where the label goes, and no other braces",
+                       "bad_template")
+    return [template.replace("{}", label) for label in labels]
+
+
+def open_tokenizer(path: Path, context_length: int) -> Tokenizer:
+    """The model's tokenizer.json, no padding, its texts cut at the context length."""
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(context_length)
+    return tokenizer
+
+
+def token_batch(tokenizer: Tokenizer, texts: list[str], context_length: int, pad_id: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 ids [n, context_length], each text's padded with pad_id after its end; int32 token counts [n])."""
+    encodings = tokenizer.encode_batch(texts)
+    tokens = np.array([len(e.ids) for e in encodings], np.int32)
+    ids = np.full((len(texts), context_length), pad_id, np.int64)
+    for row, encoding in zip(ids, encodings):
+        row[:len(encoding.ids)] = encoding.ids
+    return ids, tokens
+
+
+def normalized(vectors: np.ndarray) -> np.ndarray:
+    """Each row divided by its L2 norm (a zero row stays zero, as torch's F.normalize leaves it)."""
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
+def zero_shot_scores(images: np.ndarray, labels: np.ndarray, text: dict) -> np.ndarray:
+    """[n, labels] scores of image embeddings [n, D] against unit label vectors [L, D]: logit_scale * cos +
+    logit_bias, then softmax over the labels (CLIP) or each label's sigmoid (SigLIP), as the manifest says."""
+    logits = text["logit_scale"] * (normalized(images.astype(np.float32)) @ labels.T) + text["logit_bias"]
+    if text["scores"] == "sigmoid":
+        return 1 / (1 + np.exp(-logits))
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def best(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of [n, labels] scores, its k best (indices, scores), best first (ties by label order)."""
+    index = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return index, np.take_along_axis(scores, index, axis=1)
