@@ -16,9 +16,12 @@ import openai
 import pytest
 import torch
 import transformers
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
 from clip_folder import CONTEXT, save_clip_folder
 from PIL import Image
-from service_process import ROOT, children, metric, photo_bytes, service_and_process, write_model
+from tritonclient.utils import InferenceServerException
+from service_process import ROOT, children, free_port, metric, photo_bytes, service_and_process, write_model
 
 from export.__main__ import main as export_main
 
@@ -42,12 +45,14 @@ def clip(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])
-def server(request, clip) -> tuple[str, list[int]]:
-    """(the URL, the service's process ids) of a server on the repository, under either backend."""
+def server(request, clip) -> tuple[str, list[int], str]:
+    """(the URL, the service's process ids, its gRPC address) of a server on the repository, under either
+    backend."""
     settings = {"backend": request.param, "workers": 1} if request.param == "process" else {}
-    with service_and_process(model_repository=clip[1], default_model="clip", max_queue_delay_ms=20,
+    port = free_port()
+    with service_and_process(model_repository=clip[1], default_model="clip", max_queue_delay_ms=20, grpc_port=port,
                              **settings) as (url, proc):
-        yield url, [proc.pid, *children(proc.pid)]
+        yield url, [proc.pid, *children(proc.pid)], f"127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +108,7 @@ def serves(url: str) -> None:
 def test_zero_shot_scores_are_clipmodels_softmax_of_the_same_prompts(server, reference, labels):
     """Each photo's scores over the labels, in the query and in the form alike, equal logits_per_image.softmax
     of transformers' CLIPModel on its processor's pixels of the same JPEGs and the model's default prompts."""
-    url, _ = server
+    url, *_ = server
     model, tokenizer, processor = reference
     listed = {m["name"]: m for m in httpx.get(f"{url}/models", timeout=10).json()["models"]}
     text = listed["clip"]["text"]
@@ -127,7 +132,7 @@ def test_zero_shot_scores_are_clipmodels_softmax_of_the_same_prompts(server, ref
 
 
 def test_a_template_of_the_request_makes_the_prompts(server, reference):
-    url, _ = server
+    url, *_ = server
     model, tokenizer, processor = reference
     labels, template = ["cat", "rocket", "cup"], "an image showing {}, in close-up"
     inputs = transformers.CLIPProcessor(processor, tokenizer)(
@@ -144,7 +149,7 @@ def test_a_template_of_the_request_makes_the_prompts(server, reference):
 def test_text_embeddings_are_get_text_features_unit_length(server, reference):
     """OpenAI's answer: a list of unit vectors (float or base64), transformers' get_text_features normalised;
     `dimensions` keeps the first that many, unit length again; usage counts the texts' tokens."""
-    url, _ = server
+    url, *_ = server
     want = unit(text_features(reference, TEXTS))
     answer = embeddings(url, model="clip", input=TEXTS)
     got = vectors_of(answer)
@@ -166,7 +171,7 @@ def test_text_embeddings_are_get_text_features_unit_length(server, reference):
 def test_images_as_data_urls_are_embeds_vectors_in_the_texts_space(server, reference):
     """A data-URL image beside texts: its vector is /embed's (normalised), and its cosine with a text's is
     CLIPModel's own logits_per_text / logit_scale."""
-    url, _ = server
+    url, *_ = server
     model, tokenizer, processor = reference
     photos = list(PHOTOS.values())
     answer = embeddings(url, model="clip", input=[TEXTS[0], data_url(photos[0]), data_url(photos[1]), TEXTS[1]])
@@ -187,7 +192,7 @@ def test_images_as_data_urls_are_embeds_vectors_in_the_texts_space(server, refer
 
 
 def test_the_openai_client_embeds_unchanged(server, reference):
-    url, _ = server
+    url, *_ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     answer = client.embeddings.create(model="clip", input=TEXTS[:3])
     np.testing.assert_allclose([d.embedding for d in answer.data], unit(text_features(reference, TEXTS[:3])),
@@ -203,7 +208,7 @@ def test_the_openai_client_embeds_unchanged(server, reference):
 def test_texts_of_several_requests_batch_together_each_as_if_alone(server):
     """Texts of 24 requests at once, of every length: each request's vectors are its own as when it ran alone,
     and fewer text batches ran than requests."""
-    url, _ = server
+    url, *_ = server
     texts = [[f"{'tiny ' * (i % 7)}photo number {i}", "dog" * (i % 3 + 1)] for i in range(24)]
     alone = [vectors_of(embeddings(url, model="clip", input=t)) for t in texts]
     before = texts_run(url)
@@ -224,7 +229,7 @@ def top_scores(answer: httpx.Response) -> dict[str, float]:
 
 
 def test_labels_seen_before_cost_no_text_run(server):
-    url, _ = server
+    url, *_ = server
     labels = ["zebra", "giraffe", "okapi"]
     count = functools.partial(texts_run, url)
     start = count()
@@ -234,6 +239,82 @@ def test_labels_seen_before_cost_no_text_run(server):
     assert first.status_code == again.status_code == 200
     assert (ran - start, count() - ran) == (3, 1)  # only the new label's prompt ran
     assert top_scores(again)["zebra"] < top_scores(first)["zebra"]  # a fourth label shares the softmax
+
+
+def v2_texts(client, texts: list[str] | np.ndarray, binary: bool = True, model: str = "clip",
+             shape: list[int] | None = None) -> np.ndarray:
+    """The texts' embeddings over /v2 (tritonclient, REST or gRPC): the `text` BYTES input, `text_embeds` out."""
+    module = triton_http if isinstance(client, triton_http.InferenceServerClient) else triton_grpc
+    values = np.array([t.encode() if isinstance(t, str) else t for t in texts], dtype=np.object_)
+    tensor = module.InferInput("text", shape or [len(values)], "BYTES")
+    if module is triton_http:
+        tensor.set_data_from_numpy(values.reshape(shape or [len(values)]), binary_data=binary)
+    else:
+        tensor.set_data_from_numpy(values.reshape(shape or [len(values)]))
+    return client.infer(model, [tensor]).as_numpy("text_embeds")
+
+
+def test_tritonclient_embeds_texts_over_v2_as_get_text_features(server, reference):
+    """The `text` BYTES input (Triton's string tensor), binary or JSON over REST and over gRPC, [B] or [B, 1]:
+    `text_embeds` is get_text_features (not normalised, as /v2's image embeddings are not); the metadata lists it."""
+    url, _, grpc_address = server
+    want = text_features(reference, TEXTS)
+    rest = triton_http.InferenceServerClient(url.removeprefix("http://"))
+    meta = rest.get_model_metadata("clip")
+    assert meta["parameters"]["text"]["input"] == {"name": "text", "datatype": "BYTES", "shape": [-1]}
+    assert meta["parameters"]["text"]["outputs"][0] == {"name": "text_embeds", "datatype": "FP32", "shape": [-1, 16]}
+    for binary in (True, False):
+        np.testing.assert_allclose(v2_texts(rest, TEXTS, binary), want, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(v2_texts(rest, TEXTS, shape=[len(TEXTS), 1]), want, atol=ATOL, rtol=0)
+    with triton_grpc.InferenceServerClient(grpc_address) as client:
+        np.testing.assert_allclose(v2_texts(client, TEXTS), want, atol=ATOL, rtol=0)
+        with pytest.raises(InferenceServerException, match="element 1 is not UTF-8"):
+            v2_texts(client, ["fine", b"\xff\xfe"])
+    raw = httpx.post(f"{url}/v2/models/clip/infer", timeout=30, json={
+        "inputs": [{"name": "text", "shape": [2], "datatype": "BYTES", "data": ["a photo of a cat", "dog"]}]})
+    assert raw.status_code == 200, raw.text
+    np.testing.assert_allclose(np.array(raw.json()["outputs"][0]["data"]).reshape(2, 16), want[:2], atol=ATOL)
+
+
+def v2_hostile(url: str) -> list[tuple[str, httpx.Response, str]]:
+    """(what, the answer, words its error holds) of /v2 text requests that must be 400s."""
+    def post(inputs: list[dict], body: bytes = b"", outputs: list | None = None) -> httpx.Response:
+        header = json.dumps({"inputs": inputs, **({"outputs": outputs} if outputs else {})}).encode()
+        return httpx.post(f"{url}/v2/models/clip/infer", content=header + body, timeout=30,
+                          headers={"Inference-Header-Content-Length": str(len(header))} if body else {})
+    text = {"name": "text", "datatype": "BYTES"}
+    photo = np.zeros((1, 32, 32, 3), np.uint8)
+    image = {"name": "images", "shape": [1, 32, 32, 3], "datatype": "UINT8", "data": photo.ravel().tolist()}
+    return [
+        ("text beside images", post([{**text, "shape": [1], "data": ["a"]}, image]), "takes no other input"),
+        ("text as FP32", post([{"name": "text", "datatype": "FP32", "shape": [1], "data": [1.0]}]), "BYTES [-1]"),
+        ("a shape of 3 dims", post([{**text, "shape": [1, 1, 1], "data": ["a"]}]), "BYTES [-1]"),
+        ("shape 0", post([{**text, "shape": [0], "data": []}]), "BYTES [-1]"),
+        ("fewer elements than the shape", post([{**text, "shape": [3], "data": ["a", "b"]}]), "2 elements"),
+        ("numbers for strings", post([{**text, "shape": [2], "data": [1, 2]}]), "not a list of strings"),
+        ("no data", post([{**text, "shape": [1]}]), "not a list of strings"),
+        ("a lone surrogate", post([{**text, "shape": [1], "data": ["\ud800"]}]), "Invalid JSON"),  # (no UTF-8)
+        ("an empty string", post([{**text, "shape": [1], "data": [""]}]), "empty"),
+        ("a NUL", post([{**text, "shape": [1], "data": ["a\u0000b"]}]), "U+0000"),
+        ("a length past the end", post([{**text, "shape": [1], "parameters": {"binary_data_size": 6}}],
+                                       (100).to_bytes(4, "little") + b"ab"), "says 100 bytes"),
+        ("a cut length", post([{**text, "shape": [2], "parameters": {"binary_data_size": 7}}],
+                              (1).to_bytes(4, "little") + b"a" + b"\x00\x00"), "no 4-byte length"),
+        ("an unknown output", post([{**text, "shape": [1], "data": ["a"]}], outputs=[{"name": "logits"}]),
+         "no output 'logits'"),
+        ("text in shared memory", post([{**text, "shape": [1], "parameters": {
+            "shared_memory_region": "r", "shared_memory_byte_size": 5}}]), "send the texts in the request"),
+        ("text of a model without a text tower", httpx.post(f"{url}/v2/models/shapes-vit/infer", timeout=30, json={
+            "inputs": [{**text, "shape": [1], "data": ["a"]}]}), "this model takes"),
+    ]
+
+
+def test_hostile_v2_texts_are_400s_naming_the_fault(server):
+    url, *_ = server
+    for what, answer, words in v2_hostile(url):
+        assert answer.status_code == 400, (what, answer.text)
+        assert words in answer.json()["error"], (what, answer.json())
+    serves(url)
 
 
 def hostile_cases(url: str) -> list[tuple[str, httpx.Response, int, str]]:
@@ -312,7 +393,7 @@ def rss(pids: list[int]) -> int:
 
 
 def test_hostile_labels_and_inputs_are_4xx_and_the_server_keeps_serving(server):
-    url, pids = server
+    url, pids, _ = server
     serves(url)
     hostile_cases(url)  # once to warm every path, then its memory must come back
     before = rss(pids)
@@ -326,7 +407,7 @@ def test_hostile_labels_and_inputs_are_4xx_and_the_server_keeps_serving(server):
 
 
 def test_the_error_names_the_limit_and_the_place(server):
-    url, _ = server
+    url, *_ = server
     long = embeddings(url, model="clip", input=["fine", "x" * 3000]).json()["error"]["message"]
     assert "text 1" in long and "2000" in long and "VITSERVE_MAX_TEXT_CHARS" in long
     many = classify(url, [PHOTOS["chelsea"]], [f"l{i}" for i in range(2049)], form=True).json()["error"]["message"]

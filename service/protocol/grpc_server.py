@@ -35,9 +35,9 @@ from service.engine.shared_memory import NO_CUDA_SHARED_MEMORY, no_cuda_region, 
 from service.pipeline.served import Pipelines
 
 from . import open_inference_pb2 as pb
-from .open_inference import (check_load_parameters, check_shared_tensors, extensions, find_model, model_config,
-                             model_inputs, model_outputs, regions_backend, repository_index, require_model_control,
-                             served_metadata, shared_outputs)
+from .open_inference import (bytes_elements, check_load_parameters, check_shared_tensors, extensions, find_model,
+                             model_config, model_inputs, model_outputs, regions_backend, repository_index,
+                             require_model_control, served_metadata, shared_outputs, text_inputs, text_io)
 from .statistics import current_statistics
 
 log = logging.getLogger("vitserve")
@@ -265,14 +265,20 @@ class InferenceService:
             raise BadInput(f"{len(request.raw_input_contents)} raw_input_contents for {len(sent)} inputs not in "
                            "shared memory: send one per input, in the inputs' order, or none (typed contents)")
         tensors = [(t.name, t.datatype, list(t.shape)) for t in request.inputs]
-        images, pixels, target = model_inputs(pipeline, tensors, lambda i, dtype: places[i] or tensor_values(
-            request.inputs[i], raw.get(i), dtype))
-        relevance = target is not None  # the class-specific maps of the images (open_inference.py)
-        shared = shared_outputs(pipeline, {o.name: requested_slice(parameters(o.parameters), f"output {o.name!r}")
-                                           for o in request.outputs}, relevance)
-        check_shared_tensors(self.pipelines, host, (images, pixels), shared)
-        out = await (pipeline.relevance(images, target) if relevance else pipeline.tensors(images, pixels, shared))
-        outputs = model_outputs(pipeline, out.fields, [o.name for o in request.outputs], relevance)
+        asked = {o.name: requested_slice(parameters(o.parameters), f"output {o.name!r}") for o in request.outputs}
+        texts = text_inputs(pipeline, tensors, lambda i: places[i] or string_values(request.inputs[i], raw.get(i)))
+        if texts is not None:  # a whole CLIP's texts (open_inference.text_inputs)
+            side, shared = "text", shared_outputs(pipeline, asked, "text")
+            fields = {text_io(pipeline)["outputs"][0]["name"]: (await pipeline.texts(texts))[0]}
+        else:
+            images, pixels, target = model_inputs(pipeline, tensors, lambda i, dtype: places[i] or tensor_values(
+                request.inputs[i], raw.get(i), dtype))
+            side = "relevance" if target is not None else None  # the class-specific maps of the images
+            shared = shared_outputs(pipeline, asked, side)
+            check_shared_tensors(self.pipelines, host, (images, pixels), shared)
+            fields = (await (pipeline.relevance(images, target) if side else pipeline.tensors(images, pixels, shared))
+                      ).fields
+        outputs = model_outputs(pipeline, fields, [o.name for o in request.outputs], side)
         response = pb.ModelInferResponse(model_name=pipeline.name, model_version=str(pipeline.entry.version),
                                          id=request.id)
         response.parameters["plan"].string_param = pipeline.plan or ""
@@ -298,6 +304,11 @@ def parameters(given) -> dict:
     """A parameters map's values (InferParameter's one set field each)."""
     return {key: getattr(value, value.WhichOneof("parameter_choice")) for key, value in given.items()
             if value.WhichOneof("parameter_choice")}
+
+
+def string_values(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None) -> list[bytes]:
+    """A BYTES input's elements: its `raw_input_contents` (Triton's length-prefixed form) or its `bytes_contents`."""
+    return bytes_elements(raw, tensor.name) if raw is not None else list(tensor.contents.bytes_contents)
 
 
 def tensor_values(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None, dtype: np.dtype) -> np.ndarray:

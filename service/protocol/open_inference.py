@@ -12,6 +12,10 @@ them: B1 + B2 rows of every output, the images' first. The model metadata (and T
 makes them: Triton's tools send every input listed, in one batch whose outputs they expect to have as many rows
 (perf_analyzer's shared-memory mode takes no optional input), so they see a model of one input, as Triton would
 serve it. FP32 input must be finite: NaN, infinity or a value past FP32's range (1e39) is a BadInput.
+
+Two other requests take other inputs and give other outputs, each listed in the metadata's parameters: a
+relevance request (`target` beside `images`: relevance_io) and, for a whole CLIP, a text request (`text` BYTES [B],
+Triton's string tensor, alone: text_io), whose output is the texts' embeddings.
 """
 from collections.abc import Callable
 from functools import cache
@@ -29,6 +33,8 @@ from service.pipeline.pipeline import Pipeline
 from service.pipeline.served import Pipelines
 
 DATATYPES = {"FP32": np.dtype("<f4"), "UINT8": np.dtype("u1")}
+TEXT_INPUT = "text"  # a whole CLIP's texts over /v2 (text_io)
+Side = str | None  # which graph a request runs: None (the model's), "relevance" or "text"
 
 
 def extensions(settings: Settings, host: str | None) -> list[str]:
@@ -76,6 +82,17 @@ def relevance_io(pipeline: Pipeline) -> dict | None:
 
 
 @cache
+def text_io(pipeline: Pipeline) -> dict | None:
+    """A text request's input and output (the metadata's parameters.text), None for a model without a text tower."""
+    text = pipeline.entry.manifest.get("text")
+    if text is None:
+        return None
+    return {"input": {"name": TEXT_INPUT, "datatype": "BYTES", "shape": [-1]},
+            "outputs": [{"name": text["output"], "datatype": "FP32", "shape": [-1, text["size"]]}],
+            "context_length": text["context_length"]}
+
+
+@cache
 def model_metadata(pipeline: Pipeline) -> dict:
     """The model's input (`images`) and outputs; `pixel_values` and how to make them in its parameters."""
     m, (images, *others) = pipeline.entry.manifest, accepted_inputs(pipeline)
@@ -83,7 +100,8 @@ def model_metadata(pipeline: Pipeline) -> dict:
         "name": pipeline.name, "versions": [str(pipeline.entry.version)], "platform": "onnxruntime_onnx",
         # attention_outputs: the outputs attention maps are drawn from, none for a CNN
         "parameters": {"preprocessing": pipeline.entry.preprocessing, "other_inputs": others,
-                       "attention_outputs": pipeline.attention_outputs, "relevance": relevance_io(pipeline)},
+                       "attention_outputs": pipeline.attention_outputs, "relevance": relevance_io(pipeline),
+                       "text": text_io(pipeline)},
         "inputs": [images],
         "outputs": [{"name": o["name"], "datatype": "FP32", "shape": [-1 if d == "batch" else d for d in o["shape"]]}
                     for o in m["outputs"]],
@@ -155,6 +173,7 @@ Tensor = tuple[str, str, list[int]]  # a request's input: name, datatype, shape
 
 
 Batch = np.ndarray | SharedTensor  # an input sent in the request, or kept in shared memory
+Inputs = tuple[Batch, Batch, np.ndarray | None] | list[str]  # model_inputs' (images, pixels, target), or texts
 
 
 def model_inputs(pipeline: Pipeline, tensors: list[Tensor], values: Callable[[int, np.dtype], np.ndarray | Slice]
@@ -195,6 +214,49 @@ def model_inputs(pipeline: Pipeline, tensors: list[Tensor], values: Callable[[in
             batches.get(m["tensor_input"]["name"], np.zeros((0, 3, h, w), np.float32)), None)
 
 
+def text_inputs(pipeline: Pipeline, tensors: list[Tensor], values: Callable[[int], list[bytes] | Slice]
+                ) -> list[str] | None:
+    """A text request's texts (text_io), None where the request sends no `text` input: its only input, BYTES of
+    shape [B] or [B, 1], each element UTF-8. `values(i)`: input i's elements, as its transport carries them."""
+    io = text_io(pipeline)
+    names = [name for name, _, _ in tensors]
+    if io is None or TEXT_INPUT not in names:
+        return None
+    if len(tensors) > 1:
+        raise BadInput(f"a text request (input {TEXT_INPUT!r}) takes no other input; send images apart")
+    name, datatype, shape = tensors[0]
+    if datatype != "BYTES" or len(shape) not in (1, 2) or shape[1:] not in ([], [1]) or shape[0] < 1:
+        raise BadInput(f"input {name!r} {datatype} {shape}; this model takes {name!r} BYTES [-1] (or [-1, 1]): "
+                       "one string a text")
+    elements = values(0)
+    if isinstance(elements, Slice):
+        raise BadInput(f"input {name!r} in shared memory: send the texts in the request")
+    if len(elements) != shape[0]:
+        raise BadInput(f"input {name!r} has {len(elements)} elements for shape {shape}")
+    texts = []
+    for i, element in enumerate(elements):
+        try:
+            texts.append(element.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise BadInput(f"input {name!r} element {i} is not UTF-8: {e.reason}", "not_utf8") from None
+    return texts
+
+
+def bytes_elements(raw: bytes | memoryview, name: str) -> list[bytes]:
+    """A BYTES tensor's elements from Triton's binary form: each a 4-byte little-endian length, then its bytes."""
+    raw, elements, at = memoryview(raw), [], 0
+    while at < len(raw):
+        if at + 4 > len(raw):
+            raise BadInput(f"input {name!r}: {len(raw) - at} bytes after element {len(elements)} are no 4-byte "
+                           "length")
+        size = int.from_bytes(raw[at:at + 4], "little")
+        if at + 4 + size > len(raw):
+            raise BadInput(f"input {name!r}: element {len(elements)} says {size} bytes; {len(raw) - at - 4} follow")
+        elements.append(bytes(raw[at + 4:at + 4 + size]))
+        at += 4 + size
+    return elements
+
+
 def relevance_target(io: dict, tensor: Tensor, data: np.ndarray | Slice | None) -> np.ndarray:
     """The `target` input (relevance_io) as float32 [B, classes], once its datatype, shape and values are checked."""
     name, datatype, shape = tensor
@@ -207,36 +269,39 @@ def relevance_target(io: dict, tensor: Tensor, data: np.ndarray | Slice | None) 
     return input_batch(data, shape)
 
 
-def outputs_of(pipeline: Pipeline, relevance: bool) -> list[str]:
-    """The outputs a request gets: the main graph's, or a relevance request's (relevance_io)."""
-    return [o["name"] for o in relevance_io(pipeline)["outputs"]] if relevance else output_names(pipeline.entry)
+def outputs_of(pipeline: Pipeline, side: Side) -> list[str]:
+    """The outputs a request gets: the main graph's, a relevance request's (relevance_io) or a text request's."""
+    if side is None:
+        return output_names(pipeline.entry)
+    return [o["name"] for o in (relevance_io if side == "relevance" else text_io)(pipeline)["outputs"]]
 
 
-def check_outputs(pipeline: Pipeline, asked: list[str], relevance: bool = False) -> None:
-    names = outputs_of(pipeline, relevance)
+def check_outputs(pipeline: Pipeline, asked: list[str], side: Side = None) -> None:
+    names = outputs_of(pipeline, side)
     unknown = [name for name in asked if name not in names]
     if unknown:
         none = "" if pipeline.entry.attention else f" ({pipeline.name} has no attention outputs)"
-        also = "" if relevance or relevance_io(pipeline) is None else \
-            f"; send the input {relevance_io(pipeline)['input']['name']!r} for the relevance outputs"
+        also = "".join(f"; send the input {io['input']['name']!r} for the {what} outputs"
+                       for what, io in (("relevance", relevance_io(pipeline)), ("text", text_io(pipeline)))
+                       if io is not None and side != what)
         raise BadInput(f"no output {unknown[0]!r}; outputs: {', '.join(names)}{none}{also}")
 
 
-def model_outputs(pipeline: Pipeline, fields: dict[str, np.ndarray], asked: list[str], relevance: bool = False
+def model_outputs(pipeline: Pipeline, fields: dict[str, np.ndarray], asked: list[str], side: Side = None
                   ) -> dict[str, np.ndarray]:
-    """The outputs asked for (all where none are), by name, as little-endian FP32; a relevance request's where
-    `relevance`."""
-    check_outputs(pipeline, asked, relevance)
-    return {name: np.ascontiguousarray(fields[name], dtype="<f4") for name in asked or outputs_of(pipeline, relevance)}
+    """The outputs asked for (all where none are), by name, as little-endian FP32; a relevance or text request's
+    where `side` says."""
+    check_outputs(pipeline, asked, side)
+    return {name: np.ascontiguousarray(fields[name], dtype="<f4") for name in asked or outputs_of(pipeline, side)}
 
 
-def shared_outputs(pipeline: Pipeline, asked: dict[str, Slice | None], relevance: bool = False) -> dict[str, Slice]:
+def shared_outputs(pipeline: Pipeline, asked: dict[str, Slice | None], side: Side = None) -> dict[str, Slice]:
     """The outputs asked for in shared memory (by name: where), their names checked before anything runs (a
-    relevance request's outputs are answered in the response alone)."""
-    check_outputs(pipeline, list(asked), relevance)
+    relevance or text request's outputs are answered in the response alone)."""
+    check_outputs(pipeline, list(asked), side)
     shared = {name: place for name, place in asked.items() if place is not None}
-    if relevance and shared:
-        raise BadInput("a relevance request's outputs come back in the response: ask for them without "
+    if side and shared:
+        raise BadInput(f"a {side} request's outputs come back in the response: ask for them without "
                        "shared_memory_region")
     return shared
 

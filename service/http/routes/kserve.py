@@ -26,8 +26,9 @@ from service.core.urgency import PRIORITY, TIMEOUT_US_MAX, from_parameters
 from service.engine.shared_memory import Slice
 from service.pipeline.pipeline import Pipeline
 from service.pipeline.served import Pipelines
-from service.protocol.open_inference import (Batch, check_shared_tensors, extensions, find_model, model_config,
-                                             model_inputs, model_outputs, served_metadata, shared_outputs)
+from service.protocol.open_inference import (Inputs, Side, bytes_elements, check_shared_tensors, extensions,
+                                             find_model, model_config, model_inputs, model_outputs, served_metadata,
+                                             shared_outputs, text_inputs, text_io)
 from service.protocol.statistics import current_statistics
 
 from .shared_memory import client_host
@@ -130,11 +131,11 @@ def _json_end(body: bytes | bytearray, header_length: str | None) -> int:
 
 
 def parse_request(body: bytes | bytearray, header_length: str | None, pipeline: Pipeline
-                  ) -> tuple[InferenceRequest, tuple[Batch, Batch, np.ndarray | None]]:
+                  ) -> tuple[InferenceRequest, Inputs]:
     """The request's JSON header and its inputs as the graph's two batches (images, pixel_values) and a relevance
-    request's target (else None), checked against the model's inputs. Binary tensors follow the JSON in the order
-    of the inputs. Pydantic's JSON parser bounds the nesting (a body nested 5,000 deep is a 400, not a
-    RecursionError)."""
+    request's target (else None), or a text request's texts, checked against the model's inputs. Binary tensors
+    follow the JSON in the order of the inputs. Pydantic's JSON parser bounds the nesting (a body nested 5,000 deep
+    is a 400, not a RecursionError)."""
     json_end = _json_end(body, header_length)
     try:
         header = InferenceRequest.model_validate_json(body if json_end == len(body) else body[:json_end])
@@ -157,7 +158,28 @@ def parse_request(body: bytes | bytearray, header_length: str | None, pipeline: 
         except (ValueError, TypeError, OverflowError):
             raise BadInput(f"input {tensor.name!r}: data is missing or not numbers") from None
 
-    return header, model_inputs(pipeline, [(t.name, t.datatype, t.shape) for t in header.inputs], values)
+    def elements(i: int) -> list[bytes] | Slice:  # a BYTES input's
+        tensor = header.inputs[i]
+        if (place := tensor.parameters.place(f"input {tensor.name!r}")) is not None:
+            return place
+        if tensor.parameters.binary_data_size is not None:
+            return bytes_elements(memoryview(body)[starts[i]:starts[i + 1]], tensor.name)
+        return json_strings(tensor)
+
+    tensors = [(t.name, t.datatype, t.shape) for t in header.inputs]
+    texts = text_inputs(pipeline, tensors, elements)
+    return header, texts if texts is not None else model_inputs(pipeline, tensors, values)
+
+
+def json_strings(tensor: RequestInput) -> list[bytes]:
+    """A BYTES input's JSON data, flat or one level nested ([B, 1]), as each string's UTF-8 (a lone surrogate
+    kept, for text_inputs to refuse)."""
+    data = tensor.data if isinstance(tensor.data, list) else None
+    if data is not None and all(isinstance(row, list) and len(row) == 1 for row in data):
+        data = [row[0] for row in data]
+    if data is None or not all(isinstance(value, str) for value in data):
+        raise BadInput(f"input {tensor.name!r}: data is missing or not a list of strings")
+    return [value.encode("utf-8", "surrogatepass") for value in data]
 
 
 def json_numbers(value: np.ndarray) -> list:
@@ -169,19 +191,19 @@ def json_numbers(value: np.ndarray) -> list:
     return np.where(np.isfinite(flat), flat, None).tolist()
 
 
-def requested_shared(pipeline: Pipeline, header: InferenceRequest, relevance: bool) -> dict[str, Slice]:
+def requested_shared(pipeline: Pipeline, header: InferenceRequest, side: Side) -> dict[str, Slice]:
     """The outputs the request asks for in shared memory, by name."""
     return shared_outputs(pipeline, {out.name: out.parameters.place(f"output {out.name!r}")
-                                     for out in header.outputs or []}, relevance)
+                                     for out in header.outputs or []}, side)
 
 
 def build_response(pipeline: Pipeline, header: InferenceRequest, fields: dict[str, np.ndarray],
-                   shared: dict[str, Slice], relevance: bool = False) -> Response:
+                   shared: dict[str, Slice], side: Side = None) -> Response:
     """JSON, or JSON header + raw bytes for the outputs asked for in binary. Those in shared memory (`shared`,
     written there already) are listed as Triton lists them, without data or parameters (its clients take any
     parameters of an output for binary data that follows)."""
     asked = header.outputs or []
-    outputs = model_outputs(pipeline, fields, [out.name for out in asked], relevance)
+    outputs = model_outputs(pipeline, fields, [out.name for out in asked], side)
     binary = {out.name: out.parameters.binary_data for out in asked}
     tensors, blobs = [], []
     for name, value in outputs.items():
@@ -257,13 +279,18 @@ async def infer_version(request: Request, name: str, version_: str | None) -> Re
     pipeline, (first, body, parsed) = await pipelines.routed(read, name, version=version_)
     if parsed is None or pipeline is not first:  # (reloaded while it was parsed: rare, checked again here)
         parsed = parse_request(body, length, pipeline)
-    header, (images, pixels, target) = parsed
+    header, inputs = parsed
     given = header.parameters
     from_parameters(start, {"timeout": given.timeout, "priority": given.priority}, pipeline.settings.priority_levels)
-    shared = requested_shared(pipeline, header, target is not None)
+    if isinstance(inputs, list):  # a whole CLIP's texts (open_inference.text_inputs)
+        requested_shared(pipeline, header, "text")
+        vectors, _ = await pipeline.texts(inputs)
+        return build_response(pipeline, header, {text_io(pipeline)["outputs"][0]["name"]: vectors}, {}, "text")
+    images, pixels, target = inputs
+    shared = requested_shared(pipeline, header, "relevance" if target is not None else None)
     check_shared_tensors(_pipelines(request), client_host(request), (images, pixels), shared)
     if target is not None:  # the class-specific maps of the images (open_inference.py)
-        return build_response(pipeline, header, (await pipeline.relevance(images, target)).fields, {}, True)
+        return build_response(pipeline, header, (await pipeline.relevance(images, target)).fields, {}, "relevance")
     out = await pipeline.tensors(images, pixels, shared)
     return build_response(pipeline, header, out.fields, shared)
 
