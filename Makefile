@@ -59,8 +59,8 @@ gpu-check:
 	$(PYTHON) bench/gpu_check.py --out $(GPU_CHECK_OUT) 2>&1
 
 # The embedded demo models: synthetic data, then one training run each and, for the shapes models, two epochs more
-# with two-shape scenes (about 3 h 45 min on 2 CPU cores; the two shape runs without a teacher can run side by side
-# with OMP_NUM_THREADS=1 each).
+# with two-shape scenes, then multi-label epochs for the ViT and DeiT, and the embedded CLIP (about 4 h 45 min on 2
+# CPU cores; the two shape runs without a teacher can run side by side with OMP_NUM_THREADS=1 each).
 # The commands are recorded in each models/demo/*/summary.json with the held-out accuracy.
 DEMO := models/demo
 SHAPES := data/shapes
@@ -93,6 +93,7 @@ models: install
 		--name expression-vit --precision auto --eval-data $(FACES)/val --out $(REPO)
 	$(EXPORT) mini_xception_fer2013_64 --weights models/pretrained/mini_xception_fer2013.safetensors \
 		--name expression-fer2013 --out $(REPO)
+	$(EXPORT) $(DEMO)/shapes-clip --name shapes-clip --out $(REPO)
 	$(EXPORT) mtcnn --out $(REPO)
 
 demo-data: install
@@ -111,6 +112,17 @@ demo-weights: demo-data
 		$(BIN)/python -m models.train $$m --data $(SHAPES) --out $(DEMO)/$$m --weights $(DEMO)/$$m/model.safetensors $(TWO_SHAPES) \
 			$$([ $$m = deit_micro_distilled_patch8_96 ] && echo --teacher $(DEMO)/swin_micro_patch4_window6_96/model.safetensors) || exit 1; \
 	done
+	# then 2 epochs more for the ViT and 4 (two runs) for the DeiT, each label scored on its own (a sigmoid each, binary
+	# cross-entropy, a scene's two labels both present): relevance maps of each label on its own shape (docs/attention.md)
+	$(BIN)/python -m models.train vit_micro_patch8_96 --data $(SHAPES) --out $(DEMO)/vit_micro_patch8_96 \
+		--weights $(DEMO)/vit_micro_patch8_96/model.safetensors $(TWO_SHAPES) --multi-label
+	for run in 1 2; do \
+		$(BIN)/python -m models.train deit_micro_distilled_patch8_96 --data $(SHAPES) --out $(DEMO)/deit_micro_distilled_patch8_96 \
+			--weights $(DEMO)/deit_micro_distilled_patch8_96/model.safetensors $(TWO_SHAPES) --multi-label \
+			--teacher $(DEMO)/swin_micro_patch4_window6_96/model.safetensors || exit 1; \
+	done
+	# the embedded CLIP, its image tower started from the shapes ViT (a CLIPModel folder: models/shapes_clip.py)
+	$(BIN)/python -m models.shapes_clip --out $(DEMO)/shapes-clip
 	rm -f $(DEMO)/*/checkpoint.pt
 
 # requirements.lock: every dependency of every extra, resolved together for Linux x86-64 and Python 3.11,

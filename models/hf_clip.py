@@ -10,12 +10,14 @@ The image tower of the same folder is read by models.hf_folder, as for CLIPVisio
 a label: softmax(logit_scale * cos) over the labels, CLIP's. Every setting this cannot serve exactly is refused with
 one sentence naming it, as models.hf_folder refuses.
 """
+import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
 from tokenizers.models import BPE
 
 from .hf_folder import _CLIP_BLOCK, _encoder, _json, _refuse, _renamed, weight_files
@@ -105,16 +107,44 @@ def clip_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Toke
             raise WeightsError(f"vocab.json has no {token}")
     tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="</w>",
                               fuse_unk=False, unk_token=EOS))
-    tokenizer.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
-                                                 normalizers.Lowercase()])
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_WORDS), behavior="removed", invert=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    _clip_words(tokenizer)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([BOS, EOS])
     tokenizer.post_processor = processors.RobertaProcessing((EOS, vocab[EOS]), (BOS, vocab[BOS]),
                                                             trim_offsets=False, add_prefix_space=False)
     return tokenizer
+
+
+def _clip_words(tokenizer: Tokenizer) -> None:
+    """CLIP's normaliser and pre-tokenizer on `tokenizer`: NFC, runs of whitespace to one space, lower case; words,
+    byte-level."""
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
+                                                 normalizers.Lowercase()])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_WORDS), behavior="removed", invert=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+
+
+def clip_vocabulary(texts: Iterable[str], size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE of at most `size` tokens learnt from `texts` with CLIP's normaliser and pre-tokenizer, laid out
+    as CLIP's vocab.json is: the merges' tokens, every byte alone and ending a word, the start and end of text last."""
+    tokenizer = Tokenizer(BPE(continuing_subword_prefix="", end_of_word_suffix="</w>"))
+    _clip_words(tokenizer)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=size, initial_alphabet=alphabet,
+                                                             end_of_word_suffix="</w>", show_progress=False))
+    vocab = tokenizer.get_vocab()
+    for byte in sorted(alphabet):
+        vocab.setdefault(byte + "</w>", len(vocab))
+    vocab[BOS], vocab[EOS] = len(vocab), len(vocab) + 1
+    return vocab, [tuple(pair) for pair in json.loads(tokenizer.to_str())["model"]["merges"]]
+
+
+def save_vocabulary(folder: Path, vocab: dict[str, int], merges: list[tuple[str, str]]) -> None:
+    """vocab.json and merges.txt, as CLIP's folders hold them (what transformers' CLIPTokenizer reads)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
 
 
 def token_ids(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:

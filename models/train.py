@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--two-shapes", type=int, default=0, metavar="N",
                    help="shapes data: N scenes of two shapes of two classes added to every batch, drawn anew, each "
                         "labelled half one class and half the other (models.synthetic.shapes.two_shapes)")
+    p.add_argument("--multi-label", action="store_true",
+                   help="score each label on its own: a sigmoid per class and binary cross-entropy, a two-shape "
+                        "scene's two labels both present (the served scores stay the softmax of the same logits)")
     p.add_argument("--teacher", type=Path, help="teacher for hard distillation: weights, or an exported model "
                                                 "(a model repository folder, e.g. model_repository/expression-fer2013)")
     p.add_argument("--teacher-model", help="teacher's registry name (default: from the teacher file's metadata)")
@@ -177,6 +180,23 @@ def with_two_shapes(images: torch.Tensor, targets: torch.Tensor, labels: list[st
     return torch.cat([images, pixels]), torch.cat([F.one_hot(targets, len(labels)).float(), halves])
 
 
+def multi_label_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of each label's sigmoid against its presence: no label's logit rises by lowering
+    another's, so the evidence for one shape is not evidence against the other (docs/attention.md#why-this-label)."""
+    present = targets > 0 if targets.is_floating_point() else F.one_hot(targets, logits.shape[1]).bool()
+    return F.binary_cross_entropy_with_logits(logits, present.float())
+
+
+def taught_labels(taught: torch.Tensor, targets: torch.Tensor, classes: int) -> torch.Tensor:
+    """--multi-label's distillation targets: the teacher's label present, but in a scene of two shapes (a target row
+    of two labels) the scene's two: a teacher that names one of them would teach the distillation token to see one."""
+    one = F.one_hot(taught, classes).float()
+    if not targets.is_floating_point():
+        return one
+    present = (targets > 0).float()
+    return torch.where(present.sum(1, keepdim=True) > 1, present, one)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader) -> float:
     model.eval()
@@ -229,7 +249,7 @@ def train(args: argparse.Namespace) -> dict:
     optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
         s, round(args.warmup_epochs * steps_per_epoch), total_steps, args.min_lr / args.lr))
-    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    criterion = multi_label_loss if args.multi_label else nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
 
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = args.out / "checkpoint.pt"
@@ -257,7 +277,12 @@ def train(args: argparse.Namespace) -> dict:
             out = model(normalise(x, spec))
             if teacher is not None:
                 cls_logits, dist_logits = out
-                loss = 0.5 * criterion(cls_logits, targets) + 0.5 * F.cross_entropy(dist_logits, teacher(x))
+                taught = teacher(x)
+                if args.multi_label:
+                    distilled = multi_label_loss(dist_logits, taught_labels(taught, targets, len(labels)))
+                else:
+                    distilled = F.cross_entropy(dist_logits, taught)
+                loss = 0.5 * criterion(cls_logits, targets) + 0.5 * distilled
             else:
                 loss = criterion(out, targets)
             optimizer.zero_grad(set_to_none=True)

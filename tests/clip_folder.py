@@ -2,47 +2,22 @@
 ImageNet's class names with CLIP's normaliser and pre-tokenizer (1,200 merges and tokens; CLIP's own has 49,408), so
 that unicode, case, punctuation and long words exercise every step of the tokenizer. For tests/test_hf_clip.py and
 the services that serve it."""
-import json
 from pathlib import Path
 
 import torch
 import transformers
-from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, trainers
-from tokenizers.models import BPE
 
-from models.hf_clip import _WORDS, BOS, EOS
+from models.hf_clip import clip_vocabulary, save_vocabulary
 
 LABELS = Path(__file__).resolve().parent.parent / "models" / "imagenet_1k_labels.txt"
 CONTEXT = 24  # the text tower's context length (CLIP's is 77)
-
-
-def save_vocabulary(folder: Path) -> None:
-    """vocab.json and merges.txt as CLIP's are laid out: the merges' tokens, every byte alone and ending a word, and
-    the start and end of text last."""
-    tokenizer = Tokenizer(BPE(continuing_subword_prefix="", end_of_word_suffix="</w>"))
-    tokenizer.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
-                                                 normalizers.Lowercase()])
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_WORDS), behavior="removed", invert=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tokenizer.train_from_iterator(LABELS.read_text().splitlines(), trainers.BpeTrainer(
-        vocab_size=1200, initial_alphabet=alphabet, end_of_word_suffix="</w>", show_progress=False))
-    vocab = tokenizer.get_vocab()
-    for byte in sorted(alphabet):
-        vocab.setdefault(byte + "</w>", len(vocab))
-    vocab[BOS], vocab[EOS] = len(vocab), len(vocab) + 1
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
 
 
 def save_clip_folder(folder: Path, legacy_eos: bool = False, seed: int = 0) -> None:
     """A CLIPModel with random weights (large enough that texts differ by far more than the tolerance), its
     tokenizer (tokenizer.json beside vocab.json and merges.txt) and image processor. `legacy_eos`: a config from
     before transformers' PR #24773 (eos_token_id 2), which pools at the largest id."""
-    save_vocabulary(folder)
+    save_vocabulary(folder, *clip_vocabulary(LABELS.read_text().splitlines(), 1200))
     tokenizer = transformers.CLIPTokenizer.from_pretrained(folder)
     tokenizer.save_pretrained(folder)
     ids = {} if legacy_eos else dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

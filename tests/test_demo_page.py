@@ -8,10 +8,8 @@ import shutil
 import httpx
 import pytest
 from face_scenes import ASTRONAUT_FACE
-from clip_folder import save_clip_folder
-from service_process import ROOT, photo_bytes, running_service, write_model
+from service_process import ROOT, photo_bytes, running_service
 
-from export.__main__ import main as export_main
 from models.labels import SHAPE_LABELS
 from models.synthetic import sample_rng
 from models.synthetic.shapes import shapes, two_shapes
@@ -87,30 +85,41 @@ def test_a_label_of_the_top_five_shows_why_beside_the_attention_map(url, page, t
     assert "explained" in other.get_attribute("class") and label in page.inner_text("#whylabel")
 
 
-def test_a_clips_labels_typed_in_the_page_score_the_photo(page, tmp_path):
-    """A whole CLIP selected: the labels field shows (hidden for the others), and the labels typed there score the
-    photo as POST /classify?labels= does, best first, beside its nearest sample shapes."""
-    save_clip_folder(tmp_path / "clip")
-    export_main([str(tmp_path / "clip"), "--out", str(tmp_path / "repository"), "--no-explain"])
-    write_model(tmp_path / "repository" / "shapes-vit", ROOT / "model_repository" / "shapes-vit", "shapes-vit")
-    jpeg = photo_bytes("chelsea", "JPEG")
-    with running_service(model_repository=tmp_path / "repository", default_model="shapes-vit") as base:
-        page = page.context.browser.new_page(viewport={"width": 390, "height": 844})  # the module's browser
-        page.goto(f"{base}/")
-        page.wait_for_function("document.getElementById('model').options.length === 2")
-        assert not page.is_visible("#labels")
-        page.select_option("#model", "clip")
-        assert page.is_visible("#labels")
-        page.fill("#labels", "cat, rocket ,  cup of coffee,")
-        upload(page, tmp_path, "chelsea.jpg", jpeg)
-        page.wait_for_function("document.querySelectorAll('#predictions li').length === 3")
-        page.wait_for_function("document.getElementById('nearest').dataset.photo === 'chelsea.jpg'")
-        api = httpx.post(f"{base}/classify", files={"file": ("chelsea.jpg", jpeg)}, timeout=30,
-                         params={"model": "clip", "labels": ["cat", "rocket", "cup of coffee"]})
-        want = api.json()["results"][0]["predictions"]
-        assert page.locator("#predictions .label").all_inner_texts() == [p["label"] for p in want]
-        assert page.locator("#predictions .score").all_inner_texts() == [f"{100 * p['score']:.1f}%" for p in want]
-        page.close()
+def test_a_clips_labels_typed_in_the_page_score_the_photo(url, page, tmp_path):
+    """A whole CLIP selected (the embedded shapes-clip): the labels field shows (hidden for the others), and the
+    labels typed there score the photo as POST /classify?labels= does, best first, beside its nearest sample shapes."""
+    sample = shapes(seed=1, count=4)[3]  # a held-out star
+    buffer = io.BytesIO()
+    sample.image.save(buffer, format="PNG")
+    page.select_option("#model", "shapes-vit")
+    assert not page.is_visible("#labels") and not page.is_visible("#search")
+    page.select_option("#model", "shapes-clip")
+    assert page.is_visible("#labels")
+    page.fill("#labels", "star, heart ,  circle,")
+    upload(page, tmp_path, "star.png", buffer.getvalue())
+    page.wait_for_function("document.querySelectorAll('#predictions li').length === 3")
+    page.wait_for_function("document.getElementById('nearest').dataset.photo === 'star.png'")
+    api = httpx.post(f"{url}/classify", files={"file": ("star.png", buffer.getvalue())}, timeout=30,
+                     params={"model": "shapes-clip", "labels": ["star", "heart", "circle"]})
+    want = api.json()["results"][0]["predictions"]
+    assert want[0]["label"] == "star"
+    assert page.locator("#predictions .label").all_inner_texts() == [p["label"] for p in want]
+    assert page.locator("#predictions .score").all_inner_texts() == [f"{100 * p['score']:.1f}%" for p in want]
+    page.fill("#labels", "")
+
+
+@pytest.mark.parametrize("label", ["star", "heart"])
+def test_a_clips_text_search_finds_the_sample_shapes_it_names(page, label):
+    """The text box of a whole CLIP: the text's /v1/embeddings vector against the sample shapes' /embed vectors,
+    the nearest first, without a photo."""
+    page.select_option("#model", "shapes-clip")
+    page.fill("#search", f"a photo of a {label}.")
+    page.dispatch_event("#search", "change")
+    page.wait_for_function(f"document.getElementById('found').dataset.text === 'a photo of a {label}.'")
+    found = page.locator("#found li")
+    assert found.count() == 3 and found.first.get_attribute("data-shape") == label
+    cosines = [float(found.nth(i).inner_text().split()[-1]) for i in range(3)]
+    assert cosines == sorted(cosines, reverse=True)
 
 
 @pytest.mark.parametrize("label", [3, 5])  # a star, a heart

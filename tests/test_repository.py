@@ -10,6 +10,7 @@ from service_process import ROOT
 
 import models
 from export.manifest import sha256, validate
+from models.hf_folder import read_folder
 from repository import graph_inputs
 
 REPO = ROOT / "model_repository"
@@ -18,8 +19,8 @@ ENTRIES = [name for name in FOLDERS if name != "mtcnn"]  # the models; mtcnn is 
 
 
 def test_the_embedded_repository_has_every_demo_model_and_the_face_detector():
-    assert FOLDERS == ["expression-fer2013", "expression-vit", "mtcnn", "shapes-deit", "shapes-swin", "shapes-vit",
-                       "shapes-vit-int8"]
+    assert FOLDERS == ["expression-fer2013", "expression-vit", "mtcnn", "shapes-clip", "shapes-deit", "shapes-swin",
+                       "shapes-vit", "shapes-vit-int8"]
     # small enough to clone anywhere: each model a few MB, its relevance graph (a copy of its weights) as much again
     assert sum(f.stat().st_size for f in REPO.rglob("*") if f.is_file()) < 56 * 2**20
 
@@ -30,20 +31,29 @@ def test_committed_graphs_agree_with_the_committed_weights(name):
     validate(manifest)
     for file in manifest["files"].values():
         assert sha256(REPO / name / file["path"]) == file["sha256"]
-    weights = ROOT / manifest["source"]["weights"]
-    assert sha256(weights) == manifest["source"]["weights_sha256"]  # built from the weights committed beside it
-    model = models.load_weights(models.create_model(manifest["architecture"]), weights).eval()
+    if "huggingface" in manifest["source"]:  # a Hugging Face folder committed beside it (the embedded CLIP)
+        folder = ROOT / manifest["source"]["huggingface"]["folder"]
+        assert {name: sha256(folder / name) for name in manifest["source"]["sha256"]} == manifest["source"]["sha256"]
+        model, output = read_folder(folder).build(), "embeddings"
+    else:
+        weights = ROOT / manifest["source"]["weights"]
+        assert sha256(weights) == manifest["source"]["weights_sha256"]  # built from the weights committed beside it
+        model, output = models.load_weights(models.create_model(manifest["architecture"]), weights).eval(), "logits"
     x = np.random.default_rng(0).standard_normal((4, 3, *manifest["input"]["size"])).astype(np.float32)
     session = ort.InferenceSession(REPO / name / "model.onnx", providers=["CPUExecutionProvider"])
-    logits = session.run(["logits"], graph_inputs(x))[0]
+    logits = session.run([output], graph_inputs(x))[0]
     with torch.no_grad():
-        expected = model(torch.from_numpy(x)).numpy()
+        expected = (model.forward_head(model.forward_features(torch.from_numpy(x)), pre_logits=True)
+                    if output == "embeddings" else model(torch.from_numpy(x))).numpy()
     if manifest["precision"] == "fp32":
         np.testing.assert_allclose(logits, expected, atol=1e-4)
     else:  # int8 keeps the decisions, not the digits
         assert (logits.argmax(1) == expected.argmax(1)).all()
         assert manifest["parity"]["int8"]["top1_agreement"] >= 0.99
-    if "training" in manifest["source"]:  # trained here; else pretrained, with where it came from
+    if "huggingface" in manifest["source"]:  # trained here (models/shapes_clip.py), its summary beside it
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["held_out"]["zero_shot_accuracy"] >= 0.9
+    elif "training" in manifest["source"]:  # trained here; else pretrained, with where it came from
         training = manifest["source"]["training"]
         assert training["val_accuracy"] >= 0.95 and training["command"].startswith("python -m models.train")
     else:
@@ -53,23 +63,27 @@ def test_committed_graphs_agree_with_the_committed_weights(name):
 @pytest.mark.parametrize("graph", sorted(p.relative_to(REPO).as_posix() for name in ENTRIES
                                          for p in (REPO / name).glob("*.onnx")))
 def test_every_graph_lists_its_inputs_and_runs_them_through_iobinding(graph):
-    """What every consumer of the file sees (Netron, a user's code, a server's auto-configuration): the two inputs
-    in session.get_inputs() (the images and the float pixels, or for the relevance graph the images and their
-    targets); each batch feeds both, the one not used empty; IOBinding (the CUDA path) takes them from host memory as
-    numpy arrays and as OrtValues, with the same outputs as a plain run."""
+    """What every consumer of the file sees (Netron, a user's code, a server's auto-configuration): its inputs in
+    session.get_inputs() (the images and the float pixels, or for the relevance graph the images and their targets; a
+    CLIP's text graph its token ids); each batch feeds both, the one not used empty; IOBinding (the CUDA path) takes
+    them from host memory as numpy arrays and as OrtValues, with the same outputs as a plain run."""
     manifest = json.loads((REPO / graph).parent.joinpath("manifest.json").read_text())
     h, w = manifest["input"]["size"]
     rng = np.random.default_rng(0)
     images, pixels = rng.integers(0, 256, (2, h, w, 3), dtype=np.uint8), rng.standard_normal((3, 3, h, w), np.float32)
     session = ort.InferenceSession(REPO / graph, providers=["CPUExecutionProvider"])
-    relevance = graph.endswith("/relevance.onnx")
-    second = "target" if relevance else "pixel_values"
-    assert [(i.name, i.type) for i in session.get_inputs()] == [("images", "tensor(uint8)"), (second, "tensor(float)")]
+    relevance, text = graph.endswith("/relevance.onnx"), graph.endswith("/text.onnx")  # text: a CLIP's text tower
+    inputs = ([("input_ids", "tensor(int64)")] if text else
+              [("images", "tensor(uint8)"), ("target" if relevance else "pixel_values", "tensor(float)")])
+    assert [(i.name, i.type) for i in session.get_inputs()] == inputs
     assert session.get_overridable_initializers() == []
     outputs = [o.name for o in session.get_outputs()]
-    targets = np.eye(len(manifest["labels"]), dtype=np.float32)[[0, 1]]
-    every = ([{"images": images, "target": targets}] if relevance else
-             [graph_inputs(images), graph_inputs(pixels), {"images": images, "pixel_values": pixels}])
+    if relevance:
+        every = [{"images": images, "target": np.eye(len(manifest["labels"]), dtype=np.float32)[[0, 1]]}]
+    elif text:
+        every = [{"input_ids": rng.integers(0, manifest["text"]["pad_id"], (2, 7))}]
+    else:
+        every = [graph_inputs(images), graph_inputs(pixels), {"images": images, "pixel_values": pixels}]
     for feeds in every:
         want = session.run(outputs, feeds)
         assert len(want[0]) == (len(images) if relevance else sum(len(x) for x in feeds.values()))

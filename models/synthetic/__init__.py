@@ -13,6 +13,7 @@ class Sample:
     image: Image.Image
     label: int
     box: tuple[int, int, int, int]  # the object's x, y, width, height in pixels
+    colour: tuple[float, float, float] | None = None  # a shape's RGB in [0, 1], for its caption (models.shapes_clip)
 
 
 def sample_rng(seed: int, index: int) -> np.random.Generator:

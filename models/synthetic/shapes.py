@@ -76,7 +76,7 @@ def render_shape(rng: np.random.Generator, size: int = 96, label: int | None = N
     image = image * (1 - mask[..., None]) + colour * mask[..., None]
     ys, xs = np.nonzero(mask >= 0.5)
     box = (int(xs.min()), int(ys.min()), int(xs.max() - xs.min() + 1), int(ys.max() - ys.min() + 1))
-    return Sample(finish(rng, image), label, box)
+    return Sample(finish(rng, image), label, box, tuple(float(c) for c in colour))
 
 
 def shapes(seed: int, count: int, size: int = 96) -> list[Sample]:
