@@ -176,6 +176,15 @@ def encode_jpeg(pixels: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def assert_close_logits(got: np.ndarray, want: np.ndarray) -> None:
+    """Two decode paths' logits of one photo: the same best label, each logit within 10% of the row's spread (the
+    multi-label shapes-vit's logits spread over about 13 on the cat photo; its two decodes differ by up to 0.86)."""
+    got, want = np.atleast_2d(got), np.atleast_2d(want)
+    assert (got.argmax(1) == want.argmax(1)).all()
+    spread = want.max(1, keepdims=True) - want.min(1, keepdims=True)
+    assert (np.abs(got - want) <= 0.1 * spread).all(), (got, want)
+
+
 def settings(**kw) -> Settings:
     # the decoder is given to one model by hand (a GPU host would give one to every model)
     return Settings(model_repository=REPO, warmup_runs=0, gpu_decode=False, **kw)
@@ -211,7 +220,7 @@ def test_jpegs_decoded_with_their_batch_give_the_cpu_paths_answers_and_a_bad_one
     assert isinstance(bad, BadInput) and "could not be decoded" in bad.message  # its own request fails, alone
     assert (good.fields["logits"].argmax(1) == want[0].argmax(1)).all()
     # full-size decode + Pillow's resize on the "GPU" vs Pillow's draft-mode decode and OpenCV's warp: close
-    np.testing.assert_allclose(good.fields["logits"], want[0], atol=0.5)
+    assert_close_logits(good.fields["logits"], want[0])
 
 
 class HeldDecoder(CountingDecoder):
@@ -283,7 +292,7 @@ def test_the_gpu_takes_jpegs_while_its_queue_has_room_and_the_cpu_decodes_the_re
     assert rooms == list(range(2 * threads, -1, -1)) and decoded == {"gpu": 3 * threads, "cpu": 1}
     assert calls[:threads] == [1] * threads and sorted(calls[threads:]) == [2] * threads
     for out in done:
-        np.testing.assert_allclose(out.fields["logits"][0], want, atol=0.5)
+        assert_close_logits(out.fields["logits"][0], want)
 
 
 def test_jpeg_bytes_cross_to_the_inference_process_beside_their_records(tmp_path):
