@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from .data import normalise as normalise_by
 from .hf_clip import EOS, TEMPLATE, clip_tokenizer, clip_vocabulary, read_text_tower, save_vocabulary, token_ids
 from .hf_folder import read_folder
 from .labels import SHAPE_LABELS
@@ -167,9 +168,8 @@ def start_image_tower(model: VisionTransformer, path: Path) -> None:
 
 
 def normalise(pixels: torch.Tensor) -> torch.Tensor:
-    spec = get_spec(IMAGE_TOWER)
-    mean, std = torch.tensor(spec.mean).view(1, 3, 1, 1), torch.tensor(spec.std).view(1, 3, 1, 1)
-    return (pixels.float() / 255 - mean) / std
+    """uint8 images -> the image tower's input (the shapes ViT's mean and std)."""
+    return normalise_by(pixels.float() / 255, get_spec(IMAGE_TOWER))
 
 
 def padded(ids: list[list[int]], pad: int) -> torch.Tensor:

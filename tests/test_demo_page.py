@@ -73,6 +73,9 @@ def test_a_label_of_the_top_five_shows_why_beside_the_attention_map(url, page, t
     image.save(buffer, format="PNG")
     page.select_option("#model", "shapes-vit")
     upload(page, tmp_path, "two.png", buffer.getvalue())
+    # this upload's run done (its neighbours come last): the model's selection ran the previous photo first, whose
+    # predictions may show until then
+    page.wait_for_function("document.getElementById('nearest').dataset.photo === 'two.png'")
     page.wait_for_function("document.querySelectorAll('#predictions li.explainable').length === 5")
     top = page.locator("#predictions .label").first.inner_text()
     page.wait_for_function(f"document.getElementById('relevance').dataset.label === {top!r}"
