@@ -370,4 +370,4 @@ def expected_attention_blocks(model: nn.Module) -> int:
         return 0
     if isinstance(model, SwinTransformer):
         return sum(len(stage.blocks) for stage in model.layers)
-    return len(model.blocks)
+    return len(model.blocks) + (model.attn_pool is not None)  # attention pooling's query, SigLIP's head

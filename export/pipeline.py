@@ -24,7 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from models import create_model, get_spec, load_weights
-from models.hf_clip import EOS, TEMPLATE, TextTower, read_text_tower, token_ids
+from models.hf_clip import TEMPLATE, TextTower, padded, read_text_tower, token_ids
 from models.hf_folder import HFModel, is_folder, read_folder
 from models.relevance import relevance_of
 from models.swin_transformer import SwinTransformer
@@ -359,11 +359,7 @@ def _text_graph(tower: TextTower, work: Path, log: Progress) -> tuple[dict, floa
         raise ExportError(f"the text tower's attention is not fused: {fused_attention_count(op_counts(proto))} fused "
                           f"attention ops for {blocks} blocks")
     tower.tokenizer.save(str(work / "tokenizer.json"))
-    pad = tower.tokenizer.token_to_id(EOS)
-    ids = token_ids(tower.tokenizer, TEXT_PROBES)
-    batch = np.full((len(ids), max(map(len, ids))), pad, dtype=np.int64)
-    for row, text in zip(batch, ids):
-        row[:len(text)] = text
+    batch = padded(token_ids(tower.tokenizer, TEXT_PROBES), tower.pad_id, model.context_length)
     got = session_for(work / "text.onnx", ["CPUExecutionProvider"]).run(None, {INPUT_IDS: batch})[0]
     with torch.no_grad():
         want = model(torch.from_numpy(batch)).numpy()
@@ -372,8 +368,9 @@ def _text_graph(tower: TextTower, work: Path, log: Progress) -> tuple[dict, floa
         raise ParityError(f"text graph differs from PyTorch by {worst:.3g}")
     log(f"text graph vs PyTorch: text embeddings max |diff| {worst:.2e}")
     section = {"input": INPUT_IDS, "output": TEXT_EMBEDS, "size": model.embed_dim,
-               "context_length": model.context_length, "pad_id": pad, "scores": "softmax",
-               "logit_scale": tower.logit_scale, "logit_bias": 0.0, "template": TEMPLATE}
+               "context_length": model.context_length, "pad_id": tower.pad_id,
+               "causal": model.blocks[0].attn.causal, "scores": tower.scores,
+               "logit_scale": tower.logit_scale, "logit_bias": tower.logit_bias, "template": tower.template}
     return section, worst
 
 
@@ -459,14 +456,15 @@ def _export(args, hf: HFModel | None, log: Progress) -> Path:
         if args.precision == "auto":
             plans, refused, added = _cpu_plans(work, inputs, log)
             graphs.update(added)
-        if isinstance(model, VisionTransformer) and not args.no_explain:
+        # rollout follows a [CLS] row through the layers: a model pooled by attention (SigLIP) has none
+        if isinstance(model, VisionTransformer) and model.num_class_tokens and not args.no_explain:
             explain_outputs, parity["explain_max_abs_diff"] = _explain_graph(model, work, inputs, log)
             graphs["explain"] = work / "explain.onnx"
         if relevance_of(model) is not None and not args.no_explain:
             parity["relevance_max_rel_diff"] = _relevance_graph(model, work, inputs, log)
             graphs["relevance"] = work / "relevance.onnx"
         text = None
-        if hf and hf.source["model_type"] == "clip":
+        if hf and hf.source["model_type"] in ("clip", "siglip"):
             text, parity["text_max_abs_diff"] = _text_graph(read_text_tower(args.model), work, log)
             graphs.update(text=work / "text.onnx", tokenizer=work / "tokenizer.json")
         files = {kind: mf.file_entry(path) for kind, path in graphs.items()}

@@ -1,14 +1,16 @@
-"""A whole CLIP folder's text tower and tokenizer (CLIPModel): what zero-shot labels and text search are made of.
-The image tower of the same folder is read by models.hf_folder, as for CLIPVisionModelWithProjection.
+"""A whole CLIP or SigLIP folder's text tower and tokenizer (CLIPModel, SiglipModel): what zero-shot labels and text
+search are made of. The image tower of the same folder is read by models.hf_folder.
 
     folder/config.json         text_config (the tower), projection_dim, logit_scale_init_value
-    folder/model.safetensors   text_model.*, text_projection.weight, logit_scale (beside vision_model.*)
-    folder/tokenizer.json      the tokenizer, as the `tokenizers` library reads it; or vocab.json + merges.txt, which
-                               `clip_tokenizer` turns into one as transformers' CLIPTokenizer builds it
+    folder/model.safetensors   text_model.*, text_projection.weight (SigLIP: text_model.head.*), logit_scale (and
+                               SigLIP's logit_bias), beside vision_model.*
+    folder/tokenizer.json      the tokenizer, as the `tokenizers` library reads it; or, for CLIP, vocab.json +
+                               merges.txt, which `clip_tokenizer` turns into one as transformers' CLIPTokenizer builds
+                               it (SigLIP's spiece.model alone is refused: its SentencePiece model is not converted)
 
 `read_text_tower` gives the architecture of models.text_transformer and a state dict in its names, and what scores
-a label: softmax(logit_scale * cos) over the labels, CLIP's. Every setting this cannot serve exactly is refused with
-one sentence naming it, as models.hf_folder refuses.
+a label: softmax(logit_scale * cos) over the labels (CLIP), or each label's sigmoid(logit_scale * cos + logit_bias)
+(SigLIP). Every setting this cannot serve exactly is refused with one sentence naming it, as models.hf_folder refuses.
 """
 import json
 import math
@@ -16,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
 from tokenizers.models import BPE
@@ -25,6 +28,7 @@ from .text_transformer import TextTransformer
 from .weights import WeightsError, read_state_dict
 
 TEMPLATE = "a photo of a {}."  # CLIP's prompt for ImageNet's labels (Radford et al. 2021, section 3.1.4)
+SIGLIP_TEMPLATE = "This is a photo of {}."  # transformers' SigLIP zero-shot example's prompt
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 # transformers' CLIPTokenizer (5.23): its pre-tokenizer's split
 _WORDS = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
@@ -36,6 +40,10 @@ class TextTower:
     state_dict: dict[str, torch.Tensor]  # its names, float32
     logit_scale: float  # exp of the folder's logit_scale: what multiplies a cosine into a logit
     tokenizer: Tokenizer  # truncating to the context length, as transformers truncates with max_length
+    pad_id: int  # what fills each text's ids to the context length
+    scores: str = "softmax"  # a label's score: the softmax over the labels (CLIP), or its own sigmoid (SigLIP)
+    logit_bias: float = 0.0  # SigLIP's, added to every logit
+    template: str = TEMPLATE
 
     def build(self) -> TextTransformer:
         model = TextTransformer(**self.arch)
@@ -47,36 +55,53 @@ class TextTower:
 
 
 def read_text_tower(folder: str | Path) -> TextTower:
-    """A CLIPModel folder's text tower, projection, logit scale and tokenizer; WeightsError naming what cannot be
-    served as it is."""
+    """A CLIPModel or SiglipModel folder's text tower, projection, logit scale (and bias) and tokenizer; WeightsError
+    naming what cannot be served as it is."""
     folder = Path(folder)
     config = _json(folder / "config.json")
-    if config.get("model_type") != "clip":
-        raise WeightsError(f"{folder}: model_type {config.get('model_type')!r} has no text tower here; CLIP's does")
+    kind = config.get("model_type")
+    if kind == "siglip2":
+        raise WeightsError(f"{folder}: model_type 'siglip2' (NaFlex: patches of any aspect ratio, with their own "
+                           "mask) is not served; SigLIP 2's fixed-resolution folders (model_type siglip) are")
+    if kind not in ("clip", "siglip"):
+        raise WeightsError(f"{folder}: model_type {kind!r} has no text tower here; CLIP's and SigLIP's do")
+    siglip = kind == "siglip"
     text = config.get("text_config") or {}
-    _refuse(text.get("hidden_act", "quick_gelu") not in ("quick_gelu", "gelu"), "text_config.hidden_act",
-            text.get("hidden_act"), "only quick_gelu and gelu (erf) are served")
-    state = {k: v.float() for path in weight_files(folder) for k, v in read_state_dict(path).items()
-             if k.startswith(("text_model.", "text_projection.", "logit_scale"))}
-    if "text_projection.weight" not in state or "logit_scale" not in state:
-        raise WeightsError(f"{folder}: no text_projection.weight or logit_scale: not a whole CLIPModel")
+    activations = {"gelu_pytorch_tanh": "gelu_tanh"} if siglip else {"quick_gelu": "quick_gelu", "gelu": "gelu"}
+    act = text.get("hidden_act", next(iter(activations)))
+    _refuse(act not in activations, "text_config.hidden_act", act, f"only {' and '.join(activations)} served")
+    projection = "head.weight" if siglip else "text_projection.weight"
+    state = {k.removeprefix("text_model."): v.float() for path in weight_files(folder)
+             for k, v in read_state_dict(path).items()
+             if k.startswith(("text_model.", "text_projection.", "logit_")) and not k.endswith("position_ids")}
+    if projection not in state or "logit_scale" not in state or (siglip and "logit_bias" not in state):
+        raise WeightsError(f"{folder}: no {projection}, logit_scale{' or logit_bias' if siglip else ''}: not a whole "
+                           f"{'SiglipModel' if siglip else 'CLIPModel'}")
     logit_scale = math.exp(float(state.pop("logit_scale")))
-    state = {k.removeprefix("text_model."): v for k, v in state.items() if not k.endswith("position_ids")}
+    logit_bias = float(state.pop("logit_bias")) if siglip else 0.0
     depth, dim = text["num_hidden_layers"], text["hidden_size"]
     state["token_embed.weight"] = state.pop("embeddings.token_embedding.weight")
     state["pos_embed"] = state.pop("embeddings.position_embedding.weight")[None]
     rules = _encoder(state, depth, "encoder.layers", "self_attn.", ("q_proj", "k_proj", "v_proj"), _CLIP_BLOCK)
-    rules += [(r"final_layer_norm\.(weight|bias)", r"norm.\1"), (r"text_projection\.weight", "proj.weight")]
+    rules += [(r"final_layer_norm\.(weight|bias)", r"norm.\1"), (r"text_projection\.weight", "proj.weight"),
+              (r"head\.(weight|bias)", r"proj.\1")]
     eos = text.get("eos_token_id", 2)
-    arch = dict(vocab_size=text["vocab_size"], context_length=text.get("max_position_embeddings", 77),
+    context, eps = (64, 1e-6) if siglip else (77, 1e-5)  # the configs' defaults
+    arch = dict(vocab_size=text["vocab_size"], context_length=text.get("max_position_embeddings", context),
                 embed_dim=dim, depth=depth, num_heads=text["num_attention_heads"],
-                mlp_ratio=text["intermediate_size"] / dim, norm_eps=text.get("layer_norm_eps", 1e-5),
-                act_layer=text.get("hidden_act", "quick_gelu"), proj_dim=state["text_projection.weight"].shape[0],
-                eos_token_id=None if eos == 2 else eos)  # 2: before transformers' PR #24773, the largest id ends
+                mlp_ratio=text["intermediate_size"] / dim, norm_eps=text.get("layer_norm_eps", eps),
+                act_layer=activations[act], proj_dim=state[projection].shape[0])
+    if siglip:  # every token sees every other, the last position's vector the text's
+        arch.update(causal=False, pool="last", proj_bias=True)
+    else:
+        arch.update(eos_token_id=None if eos == 2 else eos)  # 2: before transformers' PR #24773, the largest id ends
     tokenizer = folder_tokenizer(folder)
     tokenizer.no_padding()  # a saved tokenizer.json can carry the padding of the last call that saved it
     tokenizer.enable_truncation(arch["context_length"])
-    return TextTower(arch, _renamed(state, rules), logit_scale, tokenizer)
+    if siglip:
+        return TextTower(arch, _renamed(state, rules), logit_scale, tokenizer, text.get("pad_token_id", 1),
+                         "sigmoid", logit_bias, SIGLIP_TEMPLATE)
+    return TextTower(arch, _renamed(state, rules), logit_scale, tokenizer, tokenizer.token_to_id(EOS))
 
 
 def folder_tokenizer(folder: Path) -> Tokenizer:
@@ -86,6 +111,9 @@ def folder_tokenizer(folder: Path) -> Tokenizer:
             return Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # the library's own error types are not exported
             raise WeightsError(f"{folder}/tokenizer.json: not a tokenizer the tokenizers library reads ({e})") from None
+    if (folder / "spiece.model").is_file():
+        raise WeightsError(f"{folder}: spiece.model alone: a SentencePiece tokenizer is not converted here; give the "
+                           "folder its tokenizer.json (as SigLIP 2's folders ship)")
     if not (folder / "vocab.json").is_file() or not (folder / "merges.txt").is_file():
         raise WeightsError(f"{folder}: no tokenizer.json, and no vocab.json and merges.txt to make one from")
     special = _json(folder / "special_tokens_map.json") if (folder / "special_tokens_map.json").is_file() else {}
@@ -148,6 +176,14 @@ def save_vocabulary(folder: Path, vocab: dict[str, int], merges: list[tuple[str,
 
 
 def token_ids(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
-    """Each text's ids, begun and ended by CLIP's tokens and truncated to the tokenizer's context length."""
+    """Each text's ids, begun and ended by the model's tokens and truncated to the tokenizer's context length."""
     return [encoding.ids for encoding in tokenizer.encode_batch(texts)]
+
+
+def padded(ids: list[list[int]], pad: int, length: int | None = None) -> np.ndarray:
+    """int64 [texts, length] (length: the longest text's by default), each text's ids and then `pad`."""
+    batch = np.full((len(ids), length or max(map(len, ids))), pad, np.int64)
+    for row, text in zip(batch, ids):
+        row[:len(text)] = text
+    return batch
 

@@ -1,7 +1,7 @@
 """A Hugging Face transformers folder as a registry model, read without transformers: ViT, DeiT (both heads, or
 the fine-tuned single head) and Swin v1 classifiers, and embedding models (no classifier): the base ViTModel,
 DeiTModel and SwinModel, Dinov2Model, Dinov2WithRegistersModel, CLIPVisionModel and CLIPVisionModelWithProjection,
-and a whole CLIPModel's image tower (its text tower: models.hf_clip).
+and a whole CLIPModel's or SiglipModel's image tower (its text tower: models.hf_clip).
 
     folder/config.json                 the architecture, id2label, layer_norm_eps, hidden_act, problem_type
     folder/model.safetensors           (or model.safetensors.index.json with its shards, or pytorch_model.bin)
@@ -48,8 +48,15 @@ PROCESSOR_DEFAULTS = {
                                do_normalize=True, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]),
     "BitImageProcessor": _SHORT_SIDE_CROP,
     "CLIPImageProcessor": _SHORT_SIDE_CROP,
+    "SiglipImageProcessor": dict(do_resize=True, size={"height": 224, "width": 224}, resample=3, do_center_crop=False,
+                                 do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+                                 image_mean=[0.5] * 3, image_std=[0.5] * 3),
 }
-SERVED = ("vit", "deit", "swin", "dinov2", "dinov2_with_registers", "clip_vision_model")
+SERVED = ("vit", "deit", "swin", "dinov2", "dinov2_with_registers", "clip_vision_model", "siglip_vision_model")
+WHOLE = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}  # image and text: the image tower's type
+# each type's activations, by transformers' names (ours: models.layers.ACTIVATIONS), the default first
+ACTIVATIONS = {"clip_vision_model": {"quick_gelu": "quick_gelu", "gelu": "gelu"},
+               "siglip_vision_model": {"gelu_pytorch_tanh": "gelu_tanh"}}
 # --pooling's choices: an embedding folder's pooling by another name than the model's own (VisionTransformer's
 # global_pool); Swin's is its tokens' mean alone
 POOLINGS = {"cls": "token", "mean": "avg", "cls+mean": "token_avg", "pooler": "pooler"}
@@ -101,21 +108,22 @@ def read_folder(folder: str | Path, task: str | None = None, pooling: str | None
     folder = Path(folder)
     config = _json(folder / "config.json")
     kind = config.get("model_type")
-    whole_clip = kind == "clip"  # its image tower here; its text tower is models.hf_clip's
-    if whole_clip:
-        config = {**(config.get("vision_config") or {}), "model_type": "clip_vision_model",
+    whole = kind if kind in WHOLE else None  # its image tower here; its text tower is models.hf_clip's
+    if whole:
+        config = {**(config.get("vision_config") or {}), "model_type": WHOLE[whole],
                   **{k: config[k] for k in ("architectures", "transformers_version") if k in config}}
-        kind = "clip_vision_model"
+        kind = WHOLE[whole]
     if kind not in SERVED:
-        raise WeightsError(f"{folder}: model_type {kind!r} is not served; ViT, DeiT, Swin (v1), DINOv2 and CLIP's "
-                           "image tower are")
-    activations = ("quick_gelu", "gelu") if kind == "clip_vision_model" else ("gelu",)
-    _refuse(config.get("hidden_act", activations[0]) not in activations, "hidden_act", config.get("hidden_act"),
-            f"only {' and '.join(activations)} (erf) {'are' if len(activations) > 1 else 'is'} served")
+        raise WeightsError(f"{folder}: model_type {kind!r} is not served; ViT, DeiT, Swin (v1), DINOv2, CLIP's and "
+                           "SigLIP's image towers are")
+    activations = ACTIVATIONS.get(kind, {"gelu": "gelu"})
+    _refuse(config.get("hidden_act", next(iter(activations))) not in activations, "hidden_act",
+            config.get("hidden_act"), f"only {' and '.join(activations)} {'are' if len(activations) > 1 else 'is'} "
+            "served")
     _refuse(config.get("num_channels", 3) != 3, "num_channels", config.get("num_channels"), "images are RGB")
     files = weight_files(folder)
     state = {k: v.float() for path in files for k, v in read_state_dict(path).items()
-             if not (whole_clip and k.startswith(("text_model.", "text_projection.", "logit_scale")))}
+             if not (whole and k.startswith(("text_model.", "text_projection.", "logit_scale", "logit_bias")))}
     dinov2 = kind.startswith("dinov2")
     # DINOv2 interpolates its position embedding to whatever it is given: it serves its processor's size
     img_size, policy = _policy(folder / "preprocessor_config.json", None if dinov2 else config["image_size"])
@@ -123,6 +131,8 @@ def read_folder(folder: str | Path, task: str | None = None, pooling: str | None
         arch, state = _swin(config, state)
     elif kind == "clip_vision_model":
         arch, state = _clip(config, state)
+    elif kind == "siglip_vision_model":
+        arch, state = _siglip(config, state)
     elif dinov2:
         arch, state = _dinov2(config, state, img_size)
     else:
@@ -140,7 +150,7 @@ def read_folder(folder: str | Path, task: str | None = None, pooling: str | None
         task = "expression" if expression else "classification"
     spec = ModelSpec(name, SwinTransformer if kind == "swin" else VisionTransformer, arch, img_size=img_size,
                      num_classes=len(labels), labels=tuple(labels), task=task, timm=False, **policy)
-    source = {"folder": str(folder), "model_type": "clip" if whole_clip else kind,
+    source = {"folder": str(folder), "model_type": whole or kind,
               "architectures": config.get("architectures", []),
               **({"transformers_version": config["transformers_version"]} if "transformers_version" in config else {})}
     scores = "sigmoid" if config.get("problem_type") == "multi_label_classification" else "softmax"
@@ -157,6 +167,9 @@ def _pooled(kind: str, arch: dict, state: dict[str, torch.Tensor], pooling: str)
             raise WeightsError(f"--pooling {pooling}: Swin has no [CLS] token and no pooler; its embedding is the "
                                "mean of its last tokens (--pooling mean)")
         return arch, state
+    if arch.get("global_pool") == "map":
+        raise WeightsError(f"--pooling {pooling}: SigLIP's image tower has no [CLS]; its embedding is its "
+                           "attention-pooling head's (pooler_output)")
     if arch.get("proj_dim") and pooling != "cls":
         raise WeightsError(f"--pooling {pooling}: CLIP's visual projection reads the final-norm [CLS] alone "
                            "(--pooling cls, its image_embeds)")
@@ -364,6 +377,30 @@ def _clip(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str,
                 mlp_ratio=config["intermediate_size"] / dim, norm_eps=config.get("layer_norm_eps", 1e-5),
                 pre_norm=True, act_layer=config.get("hidden_act", "quick_gelu"),
                 proj_dim=0 if projection is None else projection.shape[0])
+    return arch, _renamed(state, rules)
+
+
+def _siglip(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """SiglipVisionModel: a ViT without [CLS] (tanh GELU, a patch bias) whose post_layernorm is our final norm and
+    whose head, attention pooling (nn.MultiheadAttention's packed in_proj split into q and kv), is `attn_pool`."""
+    _refuse(not config.get("vision_use_head", True), "vision_use_head", False,
+            "the embedding is the attention-pooling head's (pooler_output)")
+    state = {k.removeprefix("vision_model."): v for k, v in state.items() if not k.endswith("position_ids")}
+    depth, dim = config["num_hidden_layers"], config["hidden_size"]
+    state["pos_embed"] = state.pop("embeddings.position_embedding.weight")[None]
+    state["head.probe"] = state["head.probe"].reshape(1, 1, -1)
+    for part in ("weight", "bias"):
+        q, k, v = state.pop(f"head.attention.in_proj_{part}").chunk(3)
+        state[f"attn_pool.q.{part}"], state[f"attn_pool.kv.{part}"] = q, torch.cat([k, v])
+    rules = _encoder(state, depth, "encoder.layers", "self_attn.", ("q_proj", "k_proj", "v_proj"), _CLIP_BLOCK)
+    rules += [(r"embeddings\.patch_embedding\.(weight|bias)", r"patch_embed.proj.\1"),
+              (r"post_layernorm\.(weight|bias)", r"norm.\1"), (r"head\.probe", "attn_pool.latent"),
+              (r"head\.attention\.out_proj\.(weight|bias)", r"attn_pool.proj.\1"),
+              (r"head\.layernorm\.(weight|bias)", r"attn_pool.norm.\1"),
+              (r"head\.mlp\.(fc1|fc2)\.(weight|bias)", r"attn_pool.mlp.\1.\2")]
+    arch = dict(patch_size=config["patch_size"], embed_dim=dim, depth=depth, num_heads=config["num_attention_heads"],
+                mlp_ratio=config["intermediate_size"] / dim, norm_eps=config.get("layer_norm_eps", 1e-6),
+                act_layer="gelu_tanh", class_token=False, global_pool="map")
     return arch, _renamed(state, rules)
 
 

@@ -33,7 +33,14 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
-ACTIVATIONS = {"gelu": nn.GELU, "quick_gelu": QuickGELU}  # by timm's names for them (act_layer)
+class TanhGELU(nn.GELU):
+    """GELU's tanh approximation (transformers' gelu_pytorch_tanh), which SigLIP's weights were trained with."""
+
+    def __init__(self):
+        super().__init__(approximate="tanh")
+
+
+ACTIVATIONS = {"gelu": nn.GELU, "quick_gelu": QuickGELU, "gelu_tanh": TanhGELU}  # timm's names (act_layer)
 
 
 class Mlp(nn.Module):

@@ -38,7 +38,8 @@ from torch import nn
 from tqdm import tqdm
 
 from .data import normalise as normalise_by
-from .hf_clip import EOS, TEMPLATE, clip_tokenizer, clip_vocabulary, read_text_tower, save_vocabulary, token_ids
+from .hf_clip import (EOS, TEMPLATE, clip_tokenizer, clip_vocabulary, padded, read_text_tower, save_vocabulary,
+                      token_ids)
 from .hf_folder import read_folder
 from .labels import SHAPE_LABELS
 from .registry import get_spec
@@ -172,13 +173,6 @@ def normalise(pixels: torch.Tensor) -> torch.Tensor:
     return normalise_by(pixels.float() / 255, get_spec(IMAGE_TOWER))
 
 
-def padded(ids: list[list[int]], pad: int) -> torch.Tensor:
-    batch = torch.full((len(ids), max(map(len, ids))), pad, dtype=torch.long)
-    for row, text in zip(batch, ids):
-        row[:len(text)] = torch.tensor(text)
-    return batch
-
-
 @torch.no_grad()
 def embed(model: ShapesClip, pixels: torch.Tensor, ids: torch.Tensor, batch: int = 200
           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +189,7 @@ def held_out(model: ShapesClip, tokenizer, pixels: torch.Tensor, shapes: list[Sh
     pad = tokenizer.token_to_id(EOS)
     names = [TEMPLATE.format(label) for label in SHAPE_LABELS]
     captions = [caption(shape) for shape in shapes]
-    images, texts = embed(model, pixels, padded(token_ids(tokenizer, names + captions), pad))
+    images, texts = embed(model, pixels, torch.from_numpy(padded(token_ids(tokenizer, names + captions), pad)))
     zero_shot = (images @ texts[:len(names)].T).argmax(1)
     found = (texts[len(names):] @ images.T).argmax(1).tolist()
     fits = np.array([[a == b for a, b in zip(attributes(shapes[j]), attributes(s))] for j, s in zip(found, shapes)])
@@ -314,7 +308,8 @@ def train(args: argparse.Namespace) -> dict:
             keeps = [tuple(rng.random(3) < args.keep) for _ in batch]
             captions = [caption(shape, keep) for shape, keep in zip(batch, keeps)]
             matches = describes([stated(shape, keep) for shape, keep in zip(batch, keeps)], batch)
-            loss = model.loss(normalise(pixels[rows]), padded(token_ids(tokenizer, captions), pad), matches)
+            ids = torch.from_numpy(padded(token_ids(tokenizer, captions), pad))
+            loss = model.loss(normalise(pixels[rows]), ids, matches)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -327,7 +322,7 @@ def train(args: argparse.Namespace) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     save_folder(model, vocab, merges, args.out)
     probe = [caption(s) for s in val_shapes[:8]]
-    check_folder(model, args.out, val_pixels[:8], padded(token_ids(tokenizer, probe), pad))
+    check_folder(model, args.out, val_pixels[:8], torch.from_numpy(padded(token_ids(tokenizer, probe), pad)))
     summary = {"model": "shapes-clip", "command": args.command, "labels": list(SHAPE_LABELS),
                "train_images": len(shapes), "held_out": history[-1], "history": history,
                "seconds": round(time.time() - started, 1),

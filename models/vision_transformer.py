@@ -13,8 +13,9 @@ averages the two heads' logits at inference.
 Options for embedding models (each off by default, named as timm names them): `init_values` (DINOv2's layer
 scale), `reg_tokens` (DINOv2's registers: "Vision Transformers Need Registers", Darcet et al. 2023,
 https://arxiv.org/abs/2309.16588), `global_pool="token_avg"` (DINOv2's linear-probe feature), `pre_norm` and
-`act_layer="quick_gelu"` (CLIP's image tower: Radford et al. 2021, https://arxiv.org/abs/2103.00020), and `proj_dim`
-(CLIP's visual projection of the pooled feature).
+`act_layer="quick_gelu"` (CLIP's image tower: Radford et al. 2021, https://arxiv.org/abs/2103.00020), `proj_dim`
+(CLIP's visual projection of the pooled feature), and `class_token=False` with `global_pool="map"` (SigLIP's image
+tower: no [CLS], the tokens pooled by a learnt query's attention; Zhai et al. 2023, https://arxiv.org/abs/2303.15343).
 
 Parameter names and shapes are timm's, so timm and official DeiT checkpoints load without renaming.
 """
@@ -82,8 +83,36 @@ class Block(nn.Module):
         return (x, probs) if query_rows else x
 
 
-# global_pool's choices (the embedding): "token" [CLS], "avg" the patch tokens' mean, both side by side, the pooler
-POOLINGS = ("token", "avg", "token_avg", "pooler")
+# global_pool's choices (the embedding): "token" [CLS], "avg" the patch tokens' mean, both side by side, the pooler,
+# or "map" a learnt query's attention (AttentionPool)
+POOLINGS = ("token", "avg", "token_avg", "pooler", "map")
+
+
+class AttentionPool(nn.Module):
+    """Multi-head attention pooling (MAP, "Scaling Vision Transformers", Zhai et al. 2021): a learnt query (`latent`)
+    attends to the tokens, and an MLP with its residual follows: SigLIP's head, in timm's AttentionPoolLatent names."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, norm_eps: float, act_layer: str):
+        super().__init__()
+        self.num_heads = num_heads
+        self.latent = nn.Parameter(torch.zeros(1, 1, dim))
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer)
+
+    def forward(self, x: torch.Tensor, rows: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [B, N, D] -> the pooled vector [B, D]; with `rows` also the query's attention probabilities
+        [B, heads, 1, N] (computed beside the fused kernel, as Attention's query rows are)."""
+        B, N, D = x.shape
+        q = self.q(self.latent).reshape(1, 1, self.num_heads, -1).transpose(1, 2).expand(B, -1, -1, -1)
+        k, v = self.kv(x).reshape(B, N, 2, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        y = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, 1, D))
+        y = (y + self.mlp(self.norm(y)))[:, 0]
+        if not rows:
+            return y
+        return y, ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(dim=-1)
 
 
 class VisionTransformer(nn.Module):
@@ -99,7 +128,8 @@ class VisionTransformer(nn.Module):
     "token_avg" ([CLS] concatenated with that mean) or "pooler" (transformers' ViT and DeiT pooler, a Linear and a tanh
     on [CLS]: `pooler`). `pre_norm`: a LayerNorm (`norm_pre`) on the embedded tokens and, as in timm, no bias in the
     patch projection. `act_layer`: the MLP's, "gelu" or "quick_gelu". `proj_dim`: a Linear without bias (`proj`) from
-    the pooled feature to that size."""
+    the pooled feature to that size. `class_token=False`: no [CLS] (the position embedding covers the patches alone),
+    for an embedding model pooled by `global_pool="map"` (`attn_pool`), whose query's attention is its maps' row."""
 
     def __init__(
         self,
@@ -121,6 +151,7 @@ class VisionTransformer(nn.Module):
         pre_norm: bool = False,
         act_layer: str = "gelu",
         proj_dim: int = 0,
+        class_token: bool = True,
         drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
@@ -133,14 +164,17 @@ class VisionTransformer(nn.Module):
         if global_pool not in POOLINGS:
             raise ValueError(f"global_pool {global_pool!r}: {', '.join(POOLINGS)} are built")
         self.global_pool = global_pool
-        self.num_class_tokens = 2 if distilled else 1  # [CLS] (and dist): the tokens with a position embedding
+        if not class_token and (global_pool != "map" or distilled or num_classes):
+            raise ValueError("a model without [CLS] is an embedding model pooled by global_pool='map'")
+        # [CLS] (and dist): the tokens with a position embedding
+        self.num_class_tokens = (2 if distilled else 1) if class_token else 0
         self.num_prefix_tokens = self.num_class_tokens + reg_tokens
         # When set (and training), the distilled model returns both heads' logits for the distillation loss.
         self.distilled_training = False
 
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, bias=not pre_norm)
         num_tokens = self.patch_embed.num_patches + self.num_class_tokens
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
         self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if distilled else None
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
@@ -160,11 +194,14 @@ class VisionTransformer(nn.Module):
         self.pool_dist = distilled and dist_head  # the embedding averages both tokens, as the two heads do
         pooled = 2 * embed_dim if global_pool == "token_avg" else embed_dim
         self.pooler = nn.Sequential(nn.Linear(embed_dim, embed_dim), nn.Tanh()) if global_pool == "pooler" else None
+        self.attn_pool = AttentionPool(embed_dim, num_heads, mlp_ratio, norm_eps, act_layer) \
+            if global_pool == "map" else None
         self.proj = nn.Linear(pooled, proj_dim, bias=False) if proj_dim else nn.Identity()
         self._init_weights()
 
     def _init_weights(self) -> None:
-        for p in (self.pos_embed, self.cls_token, self.dist_token, self.reg_token):
+        latent = self.attn_pool.latent if self.attn_pool is not None else None
+        for p in (self.pos_embed, self.cls_token, self.dist_token, self.reg_token, latent):
             if p is not None:
                 nn.init.trunc_normal_(p, std=0.02)
         self.apply(init_weights)
@@ -184,7 +221,7 @@ class VisionTransformer(nn.Module):
         """[B, 3, H, W] -> tokens [B, prefix + patches, D] with position embeddings; [CLS] (and dist) first, then
         the registers (which have none), then the patches."""
         x = self.patch_embed(x)
-        prefix = [self.cls_token] if self.dist_token is None else [self.cls_token, self.dist_token]
+        prefix = [t for t in (self.cls_token, self.dist_token) if t is not None]
         x = self.pos_drop(torch.cat([t.expand(x.shape[0], -1, -1) for t in prefix] + [x], dim=1) + self.pos_embed)
         if self.reg_token is not None:
             n = self.num_class_tokens
@@ -205,6 +242,8 @@ class VisionTransformer(nn.Module):
             feature = row_mean(x[:, self.num_prefix_tokens:])
         elif self.global_pool == "pooler":
             feature = self.pooler(x[:, 0])
+        elif self.global_pool == "map":
+            feature = self.attn_pool(x)
         else:
             feature = (x[:, 0] + x[:, 1]) / 2 if self.pool_dist else x[:, 0]
         return self.proj(feature)
@@ -218,6 +257,8 @@ class VisionTransformer(nn.Module):
             pooling = "mean of the final-norm patch tokens"
         elif self.global_pool == "pooler":
             pooling = "the pooler (a linear map and tanh) on the final-norm [CLS] token"
+        elif self.global_pool == "map":
+            pooling = "attention pooling of the final-norm tokens (a learnt query, then an MLP: SigLIP's head)"
         elif self.pool_dist:
             pooling = "mean of the final-norm [CLS] and distillation tokens"
         else:
@@ -242,7 +283,10 @@ class VisionTransformer(nn.Module):
     def features_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised tokens (forward_features) and the last block's attention rows of [CLS] (and the distillation
         token) over the patches, [B, heads, 1 or 2, patches]: the class tokens looking at the image (the registers'
-        rows and columns left out)."""
+        rows and columns left out). Without [CLS], the row of attention pooling's query (AttentionPool)."""
+        if not self.num_class_tokens:
+            x = self.forward_features(x)
+            return x, self.attn_pool(x, rows=True)[1]
         x, rows = self.blocks[-1](self.blocks[:-1](self._embed(x)), query_rows=self.num_class_tokens)
         return self.norm(x), rows[..., self.num_prefix_tokens:]
 

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from export.__main__ import main as export_main
 from models import WeightsError
-from models.hf_clip import read_text_tower, token_ids
+from models.hf_clip import padded, read_text_tower, token_ids
 from repository import graph_inputs
 
 ATOL = 1e-4
@@ -72,13 +72,6 @@ def test_long_texts_are_truncated_to_the_context_keeping_their_end_of_text(clip)
     ids = token_ids(read_text_tower(clip[0]).tokenizer, ["word " * 60])[0]
     tokenizer = transformers.CLIPTokenizer.from_pretrained(clip[0])
     assert len(ids) == CONTEXT and ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
-
-
-def padded(ids: list[list[int]], pad: int) -> np.ndarray:
-    batch = np.full((len(ids), max(map(len, ids))), pad, np.int64)
-    for row, text in zip(batch, ids):
-        row[:len(text)] = text
-    return batch
 
 
 def text_graph(repo: Path, name: str, texts: list[str]) -> np.ndarray:

@@ -4,8 +4,9 @@ how labels score an image (zero-shot classification).
 A text is checked before any work: not empty, no control characters but whitespace, at most
 VITSERVE_MAX_TEXT_CHARS characters (its tokens past the model's context are cut, as transformers cuts them), at most
 VITSERVE_MAX_TEXTS of them. Tokenizing is the `tokenizers` library's, a request's texts at once (its Rust code, in the
-decode pool); the ids are padded with the manifest's pad_id after each text's end, which the causal text graph
-never sees.
+decode pool); the ids are padded with the manifest's pad_id after each text's end to the context length. A causal
+text graph (CLIP's) never sees that padding, and a batch is cut to its longest text; SigLIP's sees it, as it was
+trained (the manifest's `causal`).
 """
 import re
 import unicodedata

@@ -312,8 +312,9 @@ class LocalBackend:
                     verify_file(entry, "text"), providers, self.settings.intra_op_threads, self.settings.spin_wait,
                     self.settings.cuda_tf32)
             start = time.perf_counter()
-            ids = gather(parts, "input_ids")[:, :gather(parts, "tokens").max()]  # (causal: the padding after is moot)
-            text = entry.manifest["text"]
+            text, ids = entry.manifest["text"], gather(parts, "input_ids")
+            if text.get("causal", True):  # no token sees the padding after it: cut to the longest text's tokens
+                ids = ids[:, :gather(parts, "tokens").max()]
             scatter(parts, {"embedding": models.text_sessions[graph].run([text["output"]], {text["input"]: ids})[0]})
             return time.perf_counter() - start
 
