@@ -240,20 +240,23 @@ def test_maps_of_several_requests_run_as_one_batch_each_as_if_alone():
         await backend.start()
         await backend.loaded()
         try:
-            together = await asyncio.gather(*(backend.relevance("shapes-deit", images[i:i + 1], targets[i:i + 1])
-                                              for i in range(6)))
+            def maps(i: int):
+                return backend.side("shapes-deit", "relevance", {"image": images[i:i + 1], "target": targets[i:i + 1]})
+
+            together = await asyncio.gather(*(maps(i) for i in range(6)))
             batches = backend.side_batchers["shapes-deit", "relevance"].finished
-            alone = [await backend.relevance("shapes-deit", images[i:i + 1], targets[i:i + 1]) for i in range(6)]
+            alone = [await maps(i) for i in range(6)]
             return together, alone, batches
         finally:
             await backend.close()
 
     together, alone, batches = asyncio.run(run())
     assert batches == 1
-    for (logits, maps), (logits_alone, maps_alone) in zip(together, alone):
-        np.testing.assert_allclose(logits, logits_alone, atol=1e-5)
-        np.testing.assert_allclose(maps, maps_alone, atol=1e-6 * float(np.abs(maps_alone).max()))
-    assert len({m.tobytes() for _, m in together}) == 6
+    for out, out_alone in zip(together, alone):
+        np.testing.assert_allclose(out["logits"], out_alone["logits"], atol=1e-5)
+        np.testing.assert_allclose(out["relevance"], out_alone["relevance"],
+                                   atol=1e-6 * float(np.abs(out_alone["relevance"]).max()))
+    assert len({out["relevance"].tobytes() for out in together}) == 6
 
 
 # the share of (image, label) pairs each model's maps hold at least: measured 89% (ViT), 89% (DeiT) and 94% (Swin) on

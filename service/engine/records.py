@@ -27,7 +27,7 @@ class Kind(StrEnum):
     JPEG = "jpeg"  # nothing: its JPEG's bytes travel beside it, decoded with its batch on the GPU (gpu_decode.py)
     IMAGE = "image"  # uint8 [H, W, 3] pixels: the graph's `images` input
     TENSOR = "tensor"  # float32 [3, H, W] normalised pixels: its `pixel_values` input (KServe v2 FP32 clients)
-    TEXT = "text"  # int64 token ids: a whole CLIP's text graph's input (text_dtype), batched apart from images
+    TEXT = "text"  # int64 token ids: a text tower's input (side_graphs.TEXT), batched apart from images
 
 
 KINDS = (Kind.JPEG, Kind.IMAGE, Kind.TENSOR)  # an image graph's, in a batch's order
@@ -48,28 +48,6 @@ def record_dtype(entry: ModelEntry, kind: Kind) -> np.dtype:
 
 
 TARGET = "target"  # the relevance graph's second input: a weight vector over the classes per image
-
-
-@lru_cache(maxsize=256)
-def relevance_dtype(entry: ModelEntry) -> np.dtype:
-    """A record of the relevance graph (LocalBackend.relevance): the image and its target in, the logits and the map
-    out."""
-    h, w = entry.policy.size
-    section, classes = entry.manifest["relevance"], len(entry.labels)
-    cells = section["grid"][0] * section["grid"][1]
-    fields = [("image", np.uint8, (h, w, 3)), (TARGET, np.float32, (classes,)), ("logits", np.float32, (classes,)),
-              ("relevance", np.float32, (len(section["rows"]), cells))]
-    return np.dtype(fields, metadata={"kind": Kind.IMAGE})
-
-
-@lru_cache(maxsize=256)
-def text_dtype(entry: ModelEntry) -> np.dtype:
-    """A record of the text graph (LocalBackend.texts): a text's token ids, padded to the context length, and how
-    many there are in; its embedding out."""
-    text = entry.manifest["text"]
-    fields = [("input_ids", np.int64, (text["context_length"],)), ("tokens", np.int32),
-              ("embedding", np.float32, (text["size"],))]
-    return np.dtype(fields, metadata={"kind": Kind.TEXT})
 
 
 def output_names(entry: ModelEntry) -> list[str]:

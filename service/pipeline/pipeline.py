@@ -18,9 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from tokenizers import Tokenizer
 
-from repository import ModelEntry, verify_file
+from repository import ModelEntry
 from service.core import tracing
 from service.core.errors import BadInput, ServiceError, TooLarge, Unavailable, UnsupportedMedia, overloaded
 from service.core.metrics import Metrics
@@ -29,7 +28,7 @@ from service.core.urgency import check_deadline, expired, request_deadline
 from service.engine.backends import Backend, DecodeOn, Lease, graph_entry
 from service.engine.batching import BatchingPolicy
 from service.engine.heads import OUTPUTS_ONLY, Classifier, Task, head
-from service.engine.records import TIMINGS, Kind, output_names, record_dtype, results
+from service.engine.records import TARGET, TIMINGS, Kind, output_names, record_dtype, results
 from service.engine.shared_memory import SharedIO, SharedTensor, Slice
 from service.explain.cache import AttentionResult
 from service.images.decode import Photo, decode, decode_size, model_input, upload_input
@@ -37,7 +36,7 @@ from service.images.gpu_decode import is_jpeg
 
 from .faces import DetectorSettings, FaceBudget, FaceDetector, Faces, FoundFaces, align
 from .response_cache import ResponseCache, upload_key
-from .texts import check_texts, normalized, open_tokenizer, prompts, token_batch
+from .texts import TextTower
 
 log = logging.getLogger("vitserve")
 
@@ -123,8 +122,8 @@ class Pipeline:
         self.entry, self.backend, self.decode_pool, self.settings, self.metrics = (
             entry, backend, decode_pool, settings, metrics)
         self.responses = responses  # answers kept by upload (response_cache.py), None where it is off
-        self.labels = labels  # zero-shot labels' unit text vectors, kept by prompt (the same), None where it is off
-        self._tokenizer: Tokenizer | None = None  # a whole CLIP's, opened on first use
+        self._text_tower = TextTower(entry, backend, decode_pool, settings, labels, loads, self._text_step) \
+            if entry.has("text") else None
         self.loads = loads  # the backend's load of the model version it was made for
         self.detector, self.detector_problem = detector, detector_problem  # expression models' faces
         # the name clients call it by; the key the backend serves this version by (NAME, or NAME@VERSION)
@@ -144,6 +143,10 @@ class Pipeline:
         """What computes this model's answers now (ModelStatus.runs): each answer names it."""
         status = self.backend.status().get(self.key)
         return status.runs if status is not None else None
+
+    def _text_step(self) -> int:
+        """The most texts a request queues at a time: a batch's worth, and within the queue."""
+        return min(self.batching.max_batch_size, self.batching.queue_limit)
 
     @property
     def batching(self) -> BatchingPolicy:
@@ -353,56 +356,9 @@ class Pipeline:
         [n, classes] and `relevance` [n, rows, cells] (models/relevance.py)."""
         self._check_count(len(images))
         check_deadline(request_deadline(), self.name, "before its relevance batch")
-        logits, maps = await self.backend.relevance(self.key, images, np.ascontiguousarray(targets, np.float32))
-        return Results({"logits": logits, "relevance": maps}, [0.0] * len(images))
-
-    async def texts(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Texts' embeddings by the text tower, float32 [n, size], not normalised, and each text's token count [n]:
-        tokenized in the decode pool, the request's texts at once, then run in batches with other requests' texts,
-        a batch's worth at a time (so that a request's 2,048 texts never hold the whole queue, nor pass its limit)."""
-        self.check_text()
-        check_texts(texts, self.settings.max_texts, self.settings.max_text_chars)
-        text = self.entry.manifest["text"]
-        ids, tokens = await asyncio.get_running_loop().run_in_executor(
-            self.decode_pool, lambda: token_batch(self.tokenizer, texts, text["context_length"], text["pad_id"]))
-        step = min(self.batching.max_batch_size, self.batching.queue_limit)
-        vectors = []
-        for start in range(0, len(texts), step):
-            check_deadline(request_deadline(), self.name, f"after {start} of its {len(texts)} texts")
-            vectors.append(await self.backend.texts(self.key, ids[start:start + step], tokens[start:start + step]))
-        return np.concatenate(vectors), tokens
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        if self._tokenizer is None:
-            self._tokenizer = open_tokenizer(verify_file(self.entry, "tokenizer"),
-                                             self.entry.manifest["text"]["context_length"])
-        return self._tokenizer
-
-    def prompts(self, labels: list[str], template: str | None) -> list[str]:
-        """Zero-shot labels in the template's {} (the model's own by default), checked before any work: BadInput
-        or TooLarge for those that cannot be scored (texts.prompts)."""
-        self.check_text()
-        text = self.entry.manifest["text"]
-        return prompts(labels, text["template"] if template is None else template, text["scores"],
-                       self.settings.max_texts, self.settings.max_text_chars)
-
-    async def label_vectors(self, texts: list[str]) -> np.ndarray:
-        """Zero-shot prompts' unit text vectors [labels, size]: those kept from an earlier request are not run
-        again."""
-        text = self.entry.manifest["text"]
-        keys = [(self.key, self.loads, prompt) for prompt in texts]
-        kept = [self.labels.get(key) if self.labels is not None else None for key in keys]
-        missed = [i for i, row in enumerate(kept) if row is None]
-        vectors = np.empty((len(texts), text["size"]), np.float32)
-        if missed:
-            vectors[missed] = normalized((await self.texts([texts[i] for i in missed]))[0])
-        for i, (key, row) in enumerate(zip(keys, kept)):
-            if row is not None:
-                vectors[i] = row["vector"]
-            elif self.labels is not None:
-                self.labels.put(key, {"vector": vectors[i].copy()})
-        return vectors
+        out = await self.backend.side(self.key, "relevance",
+                                      {"image": images, TARGET: np.ascontiguousarray(targets, np.float32)})
+        return Results(out, [0.0] * len(images))
 
     def _check_count(self, n: int) -> None:
         if n > (limit := self.batching.queue_limit):  # it would never fit: retrying later (503) cannot help
@@ -503,11 +459,12 @@ class Pipeline:
             raise BadInput(f"{self.name} is a model of task {self.entry.task}, whose head gives no labels' scores: "
                            "name a classification model", "no_classifier")
 
-    def check_text(self) -> None:
-        """BadInput, before any work, for texts asked of a model without a text tower."""
-        if not self.entry.has("text"):
-            raise BadInput(f"{self.name} has no text tower: texts are embedded, and labels scored, by a whole CLIP "
-                           "(python -m export on a CLIPModel folder). Name such a model", "no_text_tower")
+    def text_tower(self) -> TextTower:
+        """Its text tower; BadInput, before any work, for texts asked of a model without one."""
+        if self._text_tower is None:
+            raise BadInput(f"{self.name} has no text tower: texts are embedded, and labels scored, by a whole CLIP or "
+                           "SigLIP (python -m export on its folder). Name such a model", "no_text_tower")
+        return self._text_tower
 
     def check_embedding(self) -> None:
         """BadInput, before any work, for embeddings asked of a model without an embedding output."""

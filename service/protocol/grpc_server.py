@@ -269,7 +269,7 @@ class InferenceService:
         texts = text_inputs(pipeline, tensors, lambda i: places[i] or string_values(request.inputs[i], raw.get(i)))
         if texts is not None:  # a whole CLIP's texts (open_inference.text_inputs)
             side, shared = "text", shared_outputs(pipeline, asked, "text")
-            fields = {text_io(pipeline)["outputs"][0]["name"]: (await pipeline.texts(texts))[0]}
+            fields = {text_io(pipeline)["outputs"][0]["name"]: (await pipeline.text_tower().embed(texts))[0]}
         else:
             images, pixels, target = model_inputs(pipeline, tensors, lambda i, dtype: places[i] or tensor_values(
                 request.inputs[i], raw.get(i), dtype))

@@ -22,6 +22,7 @@ from service.explain.cache import AttentionResult
 
 from ..runtime import CUDA
 from ..shared_memory import SharedIO
+from ..side_graphs import Batch
 
 
 class DecodeOn(StrEnum):
@@ -141,15 +142,10 @@ class Backend(Protocol):
     async def explain(self, model: str, image: np.ndarray) -> list[np.ndarray]:
         """Every layer's attention probabilities for one uint8 [H, W, 3] input (the explain graph)."""
 
-    async def relevance(self, model: str, images: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Class-specific maps (the relevance graph, batched across requests): uint8 images [n, H, W, 3] and a target
-        weight vector over the classes per image [n, classes], zeros for its top label -> (logits [n, classes],
-        relevance [n, rows, grid cells])."""
-
-    async def texts(self, model: str, input_ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """Texts' embeddings (a whole CLIP's text graph, batched across requests): int64 token ids [n, context
-        length], each text padded after its end, and each text's token count [n] -> float32 [n, size], not
-        normalised."""
+    async def side(self, model: str, name: str, inputs: Batch) -> Batch:
+        """Items run on the model's side graph `name` (side_graphs.py), batched across requests: a row per item of
+        each of its input fields -> a row per item of each of its output fields. BadInput where the model has no
+        such graph."""
 
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """A client's system shared memory, registered under `name` (shared_memory.Regions.register)."""

@@ -293,11 +293,8 @@ class InferenceServer:
         if op == Op.EXPLAIN:
             layers = await backend.explain(message["model"], arrays["image"])
             return {}, {str(i): layer for i, layer in enumerate(layers)}
-        if op == Op.RELEVANCE:  # (each message answered in a task of its own: the requests batch together)
-            logits, maps = await backend.relevance(message["model"], arrays["images"], arrays["targets"])
-            return {}, {"logits": logits, "relevance": maps}
-        if op == Op.TEXTS:  # (the same: texts batch together)
-            return {}, {"embeddings": await backend.texts(message["model"], arrays["input_ids"], arrays["tokens"])}
+        if op == Op.SIDE:  # (each message answered in a task of its own: the requests batch together)
+            return {}, await backend.side(message["model"], message["graph"], arrays)
         if op in (Op.LOAD, Op.UNLOAD):
             await getattr(backend.models, op)(message["model"])
             return {}, {}

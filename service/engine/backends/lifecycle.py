@@ -19,7 +19,6 @@ from contextlib import suppress
 from typing import Protocol
 
 import numpy as np
-import onnxruntime as ort
 
 from repository import ModelEntry, find_entries, model_manifests, servable
 from service.core.errors import BadInput, NotFound, ServiceError
@@ -87,8 +86,8 @@ class ModelLifecycle:
         self.status = {e.key: ModelStatus() for e in entries}
         self.runners: dict[str, Runner] = {}  # by graph
         self.explainers: dict[str, Runner] = {}  # by graph, opened on first use (LocalBackend.explain)
-        self.relevances: dict[str, Runner] = {}  # by graph, the relevance graphs' runners, opened on first use
-        self.text_sessions: dict[str, ort.InferenceSession] = {}  # by graph, a whole CLIP's text graph, the same
+        # by (graph, side graph's name): the side graphs' sessions (side_graphs.py), opened on first use
+        self.side_sessions: dict[tuple[str, str], object] = {}
         self.cpu_plans: dict[str, Choice | None] = {}  # by graph: the plan chosen on the CPU (None on CUDA)
         self.jpeg_decoders: dict[str, object] = {}  # by graph: GPU JPEG decoders (gpu_decode.py), where they work
         self.decode_reasons: dict[str, str] = {}  # by graph: why its GPU decoder did not start (ModelStatus)
@@ -303,9 +302,7 @@ class ModelLifecycle:
         key, graph = entry.key, plan.graph
         new_graph = graph not in self.runners
         self.runners[graph], self.cpu_plans[graph] = runner, chosen
-        self.explainers.pop(graph, None)
-        self.relevances.pop(graph, None)
-        self.text_sessions.pop(graph, None)
+        self._close_side_graphs(graph)
         if key in self.by_key:
             self.entries[self.entries.index(self.by_key[key])] = entry
         else:
@@ -319,6 +316,12 @@ class ModelLifecycle:
         else:
             self.graphs.rebatch_graph(graph)
         self._ready(key, runner.provider, self.status[key].loads + 1 if key in self.status else 1)
+
+    def _close_side_graphs(self, graph: str) -> None:
+        """The graph's explain and side sessions dropped: the next use opens its new version's."""
+        self.explainers.pop(graph, None)
+        for key in [key for key in self.side_sessions if key[0] == graph]:
+            del self.side_sessions[key]
 
     async def unload(self, model: str) -> None:
         await asyncio.shield(self._loading)
@@ -342,9 +345,7 @@ class ModelLifecycle:
                                              for k, p in self.plans.items()):
             await self.graphs.close_graph(graph)
             self.runners.pop(graph, None)
-            self.explainers.pop(graph, None)
-            self.relevances.pop(graph, None)
-            self.text_sessions.pop(graph, None)
+            self._close_side_graphs(graph)
             release_memory()
         log.info("%s unloaded", key)
 

@@ -29,10 +29,10 @@ from ..batching import Batcher, QueueFull
 from ..cpu_plans import CpuPlan, open_runner
 from ..openvino_runtime import OpenVinoRunner
 from ..heads import head
-from ..records import (TARGET, Kind, Part, gather, host_inputs, kind_of, record_dtype, relevance_dtype, row_numbers,
-                       scatter, spans, text_dtype, write_results)
-from ..runtime import Runner, batches_in_flight, choose_device, cuda_blocking_sync, open_session
+from ..records import Kind, Part, gather, host_inputs, kind_of, record_dtype, row_numbers, scatter, spans, write_results
+from ..runtime import Runner, batches_in_flight, choose_device, cuda_blocking_sync
 from ..shared_memory import Regions, SharedIO
+from ..side_graphs import SIDE_GRAPHS, Batch, SideGraph
 from . import Lease, ModelStatus
 from .board import BOARD_SLOTS, Board, Boards
 from .device_health import DeviceHealth, run_isolating
@@ -51,7 +51,7 @@ class LocalBackend:
         self.health = DeviceHealth(settings.device_broken_batches, settings.device_broken_s, on_broken)
         self.models = ModelLifecycle(settings, metrics, self, on_status)  # reads the repository: it fails here
         self.batchers: dict[str, Batcher] = {}  # by graph
-        # by (graph, side graph: relevance, text), started on first use: maps and texts batch apart from images
+        # by (graph, side graph: side_graphs.py), started on first use: maps and texts batch apart from images
         self.side_batchers: dict[tuple[str, str], Batcher] = {}
         self.cache = AttentionCache(settings.attention_cache_items, settings.attention_cache_bytes,
                                     settings.attention_ttl_s)
@@ -232,42 +232,23 @@ class LocalBackend:
             if claim is not None:
                 claim.release()
 
-    async def relevance(self, model: str, images: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Class-specific maps (the relevance graph), batched with other requests' as classification is: uint8
-        images [n, H, W, 3] and a target per image [n, classes] -> (logits [n, classes], relevance [n, rows, cells])."""
+    async def side(self, model: str, name: str, inputs: Batch) -> Batch:
+        """`inputs` (a row per item of each of the side graph's input fields: side_graphs.py) run on the model's side
+        graph `name` in a batch with other requests' items (the graph's batching policy; overloaded past its queue
+        limit) -> its outputs, a row per item."""
+        side = SIDE_GRAPHS[name]
         graph = self.models.plans[model].graph
         entry = self.models.by_key[graph]
-        if not entry.has("relevance"):
-            raise BadInput(f"{model} has no relevance graph: export it again with this version of python -m export "
-                           "(without --no-explain) for method=relevance", "relevance_unavailable")
-        records = np.empty(len(images), relevance_dtype(entry))
-        records["image"], records["target"] = images, targets
-        await self._side_batch(model, "relevance", records, self._run_relevance)
-        return records["logits"].copy(), records["relevance"].copy()
-
-    async def texts(self, model: str, input_ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """Texts' embeddings (a whole CLIP's text graph), batched with other requests' texts: token ids [n, context
-        length], each text's padded after its end, and how many each has [n] -> float32 [n, size], not
-        normalised."""
-        graph = self.models.plans[model].graph
-        entry = self.models.by_key[graph]
-        if not entry.has("text"):
-            raise BadInput(f"{model} has no text tower", "no_text_tower")
-        records = np.empty(len(input_ids), text_dtype(entry))
-        records["input_ids"], records["tokens"] = input_ids, tokens
-        await self._side_batch(model, "text", records, self._run_texts)
-        return records["embedding"].copy()
-
-    async def _side_batch(self, model: str, side: str, records: np.ndarray,
-                          runner: Callable[[str, list[str]], Callable]) -> None:
-        """`records` run on the model's side graph `side` (`runner` makes its batches' function), in a batch with
-        other requests' (the graph's batching policy; overloaded past its queue limit)."""
-        graph = self.models.plans[model].graph
-        batcher = self.side_batchers.get((graph, side))
+        if not entry.has(name):
+            raise BadInput(side.missing.format(model=model), side.missing_code)
+        records = np.empty(len(inputs[side.inputs[0]]), side.record(entry))
+        for field in side.inputs:
+            records[field] = inputs[field]
+        batcher = self.side_batchers.get((graph, name))
         if batcher is None:
-            batcher = self.side_batchers[graph, side] = Batcher(
-                f"{graph}:{side}", runner(graph, list(self.models.plans[model].providers)), self.inference,
-                self.metrics, self.models.batching(graph), self.concurrency)
+            batcher = self.side_batchers[graph, name] = Batcher(
+                f"{graph}:{name}", self._run_side(graph, side, list(self.models.plans[model].providers)),
+                self.inference, self.metrics, self.models.batching(graph), self.concurrency)
             batcher.start()
         try:
             queued = batcher.submit(records, priority=request_priority())
@@ -278,44 +259,22 @@ class LocalBackend:
         except asyncio.CancelledError:
             await batcher.settled(queued)
             raise
+        return {field: records[field].copy() for field in side.outputs}
 
-    def _run_relevance(self, graph: str, providers: list[str]):
-        """A batch of relevance records: each part's images and targets gathered, run, and written back."""
+    def _run_side(self, graph: str, side: SideGraph, providers: list[str]):
+        """A batch of a side graph's records: each part's inputs gathered, run, and its outputs written back."""
         models = self.models
 
         def run(parts: list[Part], queue_ms: list[float]) -> float:
             if (broken := self.problem()) is not None:
                 raise broken
             entry = models.by_key[graph]
-            if graph not in models.relevances:  # only the inference threads get here; a second open is harmless
-                models.relevances[graph] = Runner(
-                    verify_file(entry, "relevance"), (entry.manifest["input"]["name"], TARGET), providers,
-                    self.settings.intra_op_threads, self.settings.spin_wait,
-                    self.settings.cuda_tf32, iobinding=self.settings.iobinding)
+            session = models.side_sessions.get((graph, side.name))
+            if session is None:  # only the inference threads get here; a second open is harmless
+                session = models.side_sessions[graph, side.name] = side.open(
+                    verify_file(entry, side.name), entry, providers, self.settings)
             start = time.perf_counter()
-            outputs = models.relevances[graph].run(gather(parts, "image"), gather(parts, "target"))
-            scatter(parts, {name: outputs[name] for name in ("logits", "relevance")})
-            return time.perf_counter() - start
-
-        return run
-
-    def _run_texts(self, graph: str, providers: list[str]):
-        """A batch of text records: their ids gathered and cut to the longest text's tokens, run, and written back."""
-        models = self.models
-
-        def run(parts: list[Part], queue_ms: list[float]) -> float:
-            if (broken := self.problem()) is not None:
-                raise broken
-            entry = models.by_key[graph]
-            if graph not in models.text_sessions:  # only the inference threads get here; a second open is harmless
-                models.text_sessions[graph] = open_session(
-                    verify_file(entry, "text"), providers, self.settings.intra_op_threads, self.settings.spin_wait,
-                    self.settings.cuda_tf32)
-            start = time.perf_counter()
-            text, ids = entry.manifest["text"], gather(parts, "input_ids")
-            if text.get("causal", True):  # no token sees the padding after it: cut to the longest text's tokens
-                ids = ids[:, :gather(parts, "tokens").max()]
-            scatter(parts, {"embedding": models.text_sessions[graph].run([text["output"]], {text["input"]: ids})[0]})
+            scatter(parts, side.run(session, entry, {field: gather(parts, field) for field in side.inputs}))
             return time.perf_counter() - start
 
         return run

@@ -35,6 +35,7 @@ from service.explain.cache import AttentionResult
 from ..batching import BatchingPolicy
 from ..records import Kind, kind_of, record_dtype
 from ..shared_memory import SharedIO
+from ..side_graphs import Batch
 from . import Lease, ModelStatus, graph_entry, wire
 from .arena import Arena
 from .board import JPEG_ROOM, Board
@@ -404,13 +405,9 @@ class ProcessBackend:
         _, arrays = await self._ask({"op": Op.EXPLAIN, "model": model}, {"image": image})
         return [arrays[str(i)] for i in range(len(arrays))]
 
-    async def relevance(self, model: str, images: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        _, arrays = await self._ask({"op": Op.RELEVANCE, "model": model}, {"images": images, "targets": targets})
-        return arrays["logits"], arrays["relevance"]
-
-    async def texts(self, model: str, input_ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        _, arrays = await self._ask({"op": Op.TEXTS, "model": model}, {"input_ids": input_ids, "tokens": tokens})
-        return arrays["embeddings"]
+    async def side(self, model: str, name: str, inputs: Batch) -> Batch:
+        _, arrays = await self._ask({"op": Op.SIDE, "model": model, "graph": name}, inputs)
+        return arrays
 
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
         await self._ask({"op": Op.REGISTER_REGION, "name": name, "key": key, "offset": offset,

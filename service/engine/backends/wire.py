@@ -35,7 +35,8 @@ class Op(StrEnum):
       CANCEL  a request of a frame (by its place in it) given up (client gone, timeout): its slots leave the
               queue
     A worker asks, and the reply carries the same "id" (and "error" where it failed):
-      EXPLAIN, RELEVANCE, TEXTS, LOAD, UNLOAD, INDEX, STORE_ATTENTION, RECALL_ATTENTION, REGISTER_REGION,
+      EXPLAIN, SIDE (a side graph's items: side_graphs.py), LOAD, UNLOAD, INDEX,
+      STORE_ATTENTION, RECALL_ATTENTION, REGISTER_REGION,
       UNREGISTER_REGION, REGION_STATUS
     """
     HELLO = "hello"
@@ -47,8 +48,7 @@ class Op(StrEnum):
     RUN = "run"
     CANCEL = "cancel"
     EXPLAIN = "explain"
-    RELEVANCE = "relevance"
-    TEXTS = "texts"
+    SIDE = "side"
     LOAD = "load"
     UNLOAD = "unload"
     INDEX = "index"

@@ -4,7 +4,6 @@ import time
 import uuid
 from typing import Annotated
 
-import numpy as np
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
@@ -13,7 +12,6 @@ from service.core.errors import BadInput
 from service.engine.heads import OUTPUTS_ONLY, Classifier
 from service.pipeline.pipeline import Pipeline, Results
 from service.pipeline.served import Pipelines
-from service.pipeline.texts import best, zero_shot_scores
 
 from ..schemas import ClassifyResponse
 from .responses import batch_and_timings, json_response
@@ -41,16 +39,6 @@ def predictions(pipeline: Pipeline, out: Results, top_k: int) -> list[list[dict]
     labels, (index, score) = pipeline.entry.labels, Classifier.best(out.fields, top_k)
     return [[{"label": labels[i], "index": i, "score": s} for i, s in zip(*best)]
             for best in zip(index.tolist(), score.tolist())]
-
-
-def zero_shot(pipeline: Pipeline, out: Results, labels: list[str], vectors: np.ndarray, top_k: int
-              ) -> list[list[dict]]:
-    """Per image, its top-k of the request's labels, best first: its embedding against the labels' text vectors,
-    scored as the model scores (texts.zero_shot_scores)."""
-    scores = zero_shot_scores(out.fields[pipeline.entry.embedding["output"]], vectors, pipeline.entry.manifest["text"])
-    index, score = best(scores, top_k)
-    return [[{"label": labels[i], "index": i, "score": s} for i, s in zip(*row)]
-            for row in zip(index.tolist(), score.tolist())]
 
 
 @router.post(
@@ -86,7 +74,7 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
         if labels is None and query.template is not None:
             raise BadInput("template without labels: it is the prompt of zero-shot labels (labels=...)", "no_labels")
         if labels is not None:
-            prompts = chosen.prompts(labels, query.template)
+            prompts = chosen.text_tower().prompts(labels, query.template)
             chosen.check_embedding()
         else:
             chosen.check_classifier()
@@ -101,10 +89,11 @@ async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -
         out = await pipeline.images(images, top_k, for_maps=attention)
         answers, scores = predictions(pipeline, out, top_k), pipeline.entry.scores
     else:
-        vectors = await pipeline.label_vectors(prompts)
+        tower = pipeline.text_tower()
+        vectors = await tower.label_vectors(prompts)
         out = await pipeline.images(images, OUTPUTS_ONLY, for_maps=attention)
-        answers = zero_shot(pipeline, out, labels, vectors, top_k)
-        scores = pipeline.entry.manifest["text"]["scores"]
+        answers = tower.zero_shot(out.fields[pipeline.entry.embedding["output"]], labels, vectors, top_k)
+        scores = tower.scores
     total_ms = (time.perf_counter() - start) * 1e3
     results = []
     for i, ((filename, _), top, ran) in enumerate(zip(uploads, answers, batch_and_timings(out, total_ms))):

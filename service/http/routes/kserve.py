@@ -284,7 +284,7 @@ async def infer_version(request: Request, name: str, version_: str | None) -> Re
     from_parameters(start, {"timeout": given.timeout, "priority": given.priority}, pipeline.settings.priority_levels)
     if isinstance(inputs, list):  # a whole CLIP's texts (open_inference.text_inputs)
         requested_shared(pipeline, header, "text")
-        vectors, _ = await pipeline.texts(inputs)
+        vectors, _ = await pipeline.text_tower().embed(inputs)
         return build_response(pipeline, header, {text_io(pipeline)["outputs"][0]["name"]: vectors}, {}, "text")
     images, pixels, target = inputs
     shared = requested_shared(pipeline, header, "relevance" if target is not None else None)

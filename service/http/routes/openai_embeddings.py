@@ -103,17 +103,16 @@ async def embeddings(request: Request, body: EmbeddingsRequest) -> Response:
     if len(images) > (most := pipelines.settings.max_files):
         raise TooLarge(f"{len(images)} images in one request; the limit is {most} (VITSERVE_MAX_FILES)",
                        "too_many_files")
-    if texts:
-        pipeline.check_text()
+    tower = pipeline.text_tower() if texts else None
     if images:
         pipeline.check_embedding()
-    size = pipeline.entry.manifest["text"]["size"] if texts else pipeline.entry.embedding["size"]
+    size = tower.size if tower else pipeline.entry.embedding["size"]
     if body.dimensions is not None and body.dimensions > size:
         raise BadInput(f"dimensions {body.dimensions} is past {pipeline.name}'s {size}", "bad_dimensions")
     vectors: list[np.ndarray | None] = [None] * len(inputs)
     tokens = 0
     if texts:
-        found, counts = await pipeline.texts([text for _, text in texts])
+        found, counts = await tower.embed([text for _, text in texts])
         tokens = int(counts.sum())
         for (i, _), vector in zip(texts, found):
             vectors[i] = vector
