@@ -6,7 +6,8 @@ search are made of. The image tower of the same folder is read by models.hf_fold
                                SigLIP's logit_bias), beside vision_model.*
     folder/tokenizer.json      the tokenizer, as the `tokenizers` library reads it; or, for CLIP, vocab.json +
                                merges.txt, which `clip_tokenizer` turns into one as transformers' CLIPTokenizer builds
-                               it (SigLIP's spiece.model alone is refused: its SentencePiece model is not converted)
+                               it; for SigLIP, spiece.model, which `siglip_tokenizer` turns into one as transformers'
+                               SiglipTokenizer tokenizes
 
 `read_text_tower` gives the architecture of models.text_transformer and a state dict in its names, and what scores
 a label: softmax(logit_scale * cos) over the labels (CLIP), or each label's sigmoid(logit_scale * cos + logit_bias)
@@ -14,14 +15,16 @@ a label: softmax(logit_scale * cos) over the labels (CLIP), or each label's sigm
 """
 import json
 import math
+import re
+import string
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
-from tokenizers.models import BPE
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
+from tokenizers.models import BPE, Unigram
 
 from .hf_folder import _CLIP_BLOCK, _encoder, _json, _refuse, _renamed, weight_files
 from .text_transformer import TextTransformer
@@ -105,21 +108,21 @@ def read_text_tower(folder: str | Path) -> TextTower:
 
 
 def folder_tokenizer(folder: Path) -> Tokenizer:
-    """The folder's tokenizer.json, or one made from its vocab.json and merges.txt (clip_tokenizer)."""
+    """The folder's tokenizer.json, or one made from its spiece.model (siglip_tokenizer) or its vocab.json and
+    merges.txt (clip_tokenizer)."""
     if (folder / "tokenizer.json").is_file():
         try:
             return Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # the library's own error types are not exported
             raise WeightsError(f"{folder}/tokenizer.json: not a tokenizer the tokenizers library reads ({e})") from None
     if (folder / "spiece.model").is_file():
-        raise WeightsError(f"{folder}: spiece.model alone: a SentencePiece tokenizer is not converted here; give the "
-                           "folder its tokenizer.json (as SigLIP 2's folders ship)")
+        return siglip_tokenizer(folder)
     if not (folder / "vocab.json").is_file() or not (folder / "merges.txt").is_file():
-        raise WeightsError(f"{folder}: no tokenizer.json, and no vocab.json and merges.txt to make one from")
-    special = _json(folder / "special_tokens_map.json") if (folder / "special_tokens_map.json").is_file() else {}
+        raise WeightsError(f"{folder}: no tokenizer.json, and no vocab.json and merges.txt (CLIP's) or spiece.model "
+                           "(SigLIP's) to make one from")
+    special = _json_if(folder / "special_tokens_map.json")
     for role, default in (("bos_token", BOS), ("eos_token", EOS), ("unk_token", EOS)):
-        token = special.get(role, default)
-        token = token.get("content") if isinstance(token, dict) else token
+        token = _token(special.get(role), default)
         _refuse(token != default, f"special_tokens_map.json's {role}", token,
                 f"CLIP's tokenizer is made with {default}")
     merges = [line for line in (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
@@ -141,6 +144,63 @@ def clip_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Toke
     tokenizer.post_processor = processors.RobertaProcessing((EOS, vocab[EOS]), (BOS, vocab[BOS]),
                                                             trim_offsets=False, add_prefix_space=False)
     return tokenizer
+
+
+def siglip_tokenizer(folder: Path) -> Tokenizer:
+    """transformers' SiglipTokenizer (5.23) from the folder's spiece.model, in the tokenizers library. SiglipTokenizer
+    makes a text "▁" + the text (its "▁" read as spaces), lower case, without its ASCII punctuation, whitespace
+    runs as one space, stripped (canonicalize_text), and gives that to SentencePiece without a prefix of its own: so
+    here a text begun by spaces or punctuation begins "▁", one begun by a word gets "▁" before it (Metaspace's
+    first), and a text's part after a special token gets none. Then SentencePiece's own normalisation (the model's
+    precompiled charsmap), its Unigram pieces, and </s> after; eos, unk and pad are split out wherever they are, the
+    spaces around them dropped."""
+    from sentencepiece import sentencepiece_model_pb2  # the export's alone: the service reads the tokenizer.json
+
+    config = {**_json_if(folder / "special_tokens_map.json"), **_json_if(folder / "tokenizer_config.json")}
+    _refuse(config.get("tokenizer_class", "SiglipTokenizer") != "SiglipTokenizer", "tokenizer_config.json's "
+            "tokenizer_class", config.get("tokenizer_class"), "only SiglipTokenizer's spiece.model is converted")
+    extra = config.get("additional_special_tokens") or config.get("extra_special_tokens")
+    _refuse(bool(extra), "additional_special_tokens", extra, "SiglipTokenizer's own special tokens alone are converted")
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        proto.ParseFromString((folder / "spiece.model").read_bytes())
+    except Exception as e:  # protobuf's DecodeError
+        raise WeightsError(f"{folder}/spiece.model: not a SentencePiece model ({e})") from None
+    _refuse(proto.trainer_spec.model_type != proto.trainer_spec.UNIGRAM, "spiece.model's model_type",
+            proto.trainer_spec.model_type, "only a Unigram model (SigLIP's) is converted")
+    eos, unk, pad = (_token(config.get(role), default) for role, default in
+                     (("eos_token", "</s>"), ("unk_token", "<unk>"), ("pad_token", "</s>")))
+    tokenizer = Tokenizer(Unigram([(p.piece, p.score) for p in proto.pieces], unk_id=proto.trainer_spec.unk_id,
+                                  byte_fallback=proto.trainer_spec.byte_fallback))
+    punctuation = re.escape(string.punctuation)
+    steps = [normalizers.Replace("▁", " ")]
+    steps += [normalizers.Lowercase()] if config.get("do_lower_case", True) else []
+    steps += [normalizers.Replace(Regex(rf"^[\s{punctuation}]+(?=[^\s{punctuation}])"), "▁"),
+              normalizers.Replace(Regex(f"[{punctuation}]"), ""), normalizers.Replace(Regex(r"\s+"), " "),
+              normalizers.Strip(left=False, right=True)]
+    if proto.normalizer_spec.precompiled_charsmap:  # (it can make spaces again: its runs are one, as SentencePiece's)
+        steps += [normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap),
+                  normalizers.Replace(Regex(" {2,}"), " ")]
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    tokenizer.add_special_tokens([AddedToken(token, lstrip=True, rstrip=True, normalized=False, special=True)
+                                  for token in dict.fromkeys((eos, unk, pad))])
+    if tokenizer.token_to_id(eos) is None:
+        raise WeightsError(f"{folder}/spiece.model has no {eos}")
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"$A {eos}",
+                                                             special_tokens=[(eos, tokenizer.token_to_id(eos))])
+    return tokenizer
+
+
+def _json_if(path: Path) -> dict:
+    return _json(path) if path.is_file() else {}
+
+
+def _token(value, default: str) -> str:
+    """A special token as tokenizer_config.json gives it: a string, or an AddedToken's dict."""
+    value = default if value is None else value
+    return value.get("content", default) if isinstance(value, dict) else value
 
 
 def _clip_words(tokenizer: Tokenizer) -> None:

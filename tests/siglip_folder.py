@@ -1,8 +1,10 @@
-"""A tiny random SiglipModel folder, saved by transformers with a small real tokenizer.json: a SentencePiece-style
-Unigram model trained here on ImageNet's class names (NFKC, Metaspace words, `</s>` ending each text, as SigLIP 2's
-folders ship one; SigLIP's own has 32,000 pieces). For tests/test_hf_siglip.py and the services that serve it."""
+"""A tiny random SiglipModel folder, saved by transformers with a small real tokenizer trained here on ImageNet's class
+names: a Unigram tokenizer.json (NFKC, Metaspace words, `</s>` ending each text, as SigLIP 2's folders ship one), or
+SigLIP's own kind, a SentencePiece spiece.model read by transformers' SiglipTokenizer (SigLIP's has 32,000 pieces).
+For tests/test_siglip.py."""
 from pathlib import Path
 
+import sentencepiece
 import torch
 import transformers
 from clip_folder import LABELS
@@ -24,12 +26,22 @@ def siglip_tokenizer(texts: list[str], size: int = 600) -> Tokenizer:
     return tokenizer
 
 
-def save_siglip_folder(folder: Path, seed: int = 0) -> None:
+def save_siglip_folder(folder: Path, spiece: bool = False, seed: int = 0) -> None:
     """A SiglipModel with random weights (large enough that texts differ by far more than the tolerance), its
-    tokenizer.json (pad `<pad>`, end `</s>`) and image processor (32 x 32, mean and std 0.5)."""
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=siglip_tokenizer(LABELS.read_text().splitlines()), pad_token="<pad>", eos_token="</s>",
-        unk_token="<unk>", model_max_length=CONTEXT)
+    tokenizer (tokenizer.json: pad `<pad>`, end `</s>`; or `spiece`: spiece.model, pad and end `</s>`, as SigLIP's)
+    and image processor (32 x 32, mean and std 0.5)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if spiece:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(LABELS.read_text().splitlines()), model_prefix=str(folder / "trained"),
+            vocab_size=600, model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1, minloglevel=2)
+        tokenizer = transformers.SiglipTokenizer(str(folder / "trained.model"), model_max_length=CONTEXT)
+        (folder / "trained.model").unlink()
+        (folder / "trained.vocab").unlink()
+    else:
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=siglip_tokenizer(LABELS.read_text().splitlines()), pad_token="<pad>", eos_token="</s>",
+            unk_token="<unk>", model_max_length=CONTEXT)
     tokenizer.save_pretrained(folder)
     config = transformers.SiglipConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

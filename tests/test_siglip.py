@@ -1,9 +1,10 @@
-"""A whole SigLIP folder (issue 76; models/hf_clip.py, models/hf_folder.py; docs/export.md, "A whole CLIP or
-SigLIP"): `python -m export FOLDER` writes its image tower (no [CLS], attention pooling) and its text tower (not
-causal, the last position pooled, every text padded to the context length) with the folder's tokenizer.json; the
-exported graphs and the served routes answer as transformers' SiglipModel: token ids as the folder's tokenizer pads
-them to max_length, text vectors as get_text_features, image vectors as get_image_features, and zero-shot scores as
-logits_per_image.sigmoid(). transformers is a test dependency only."""
+"""A whole SigLIP folder (issue 76; models/hf_clip.py, models/hf_folder.py; docs/export.md, "A whole SigLIP"):
+`python -m export FOLDER` writes its image tower (no [CLS], attention pooling) and its text tower (not causal, the
+last position pooled, every text padded to the context length) with the folder's tokenizer.json, or one made from its
+spiece.model as transformers' SiglipTokenizer tokenizes; the exported graphs and the served routes answer as
+transformers' SiglipModel: token ids as the folder's own tokenizer pads them to max_length, text vectors as
+get_text_features, image vectors as get_image_features, and zero-shot scores as logits_per_image.sigmoid().
+transformers is a test dependency only."""
 import io
 import json
 import shutil
@@ -20,6 +21,7 @@ from PIL import Image
 from service_process import ROOT, photo_bytes, service_and_process, write_model
 from siglip_folder import CONTEXT, save_siglip_folder
 from test_hf_clip import PHOTOS, probe_texts
+from tokenizers import Tokenizer
 
 from export.__main__ import main as export_main
 from models import WeightsError
@@ -30,13 +32,16 @@ from repository import graph_inputs
 ATOL = 1e-4
 LABEL_SETS = [["cat"], ["cat", "astronaut", "coffee"], ["tabby cat", "tiger cat", "Egyptian cat", "lynx", "dog"]]
 JPEGS = [photo_bytes(p, "JPEG", quality=90) for p in PHOTOS]
+QUIRKS = ["</s> inside", "a</s>b", "a </s> b", "<unk>", "x <unk>y", "( )", "(a) dog", " ( x", "-- -", "...",
+          "▁", "▁▁ x", "no\xa0break", "\u3000ideographic", "\"quoted\" text", "UPPER-case_words"]
 
 
-@pytest.fixture(scope="module")
-def siglip(tmp_path_factory) -> tuple[Path, Path]:
-    """(the folder, a repository holding it exported as `siglip`, and shapes-vit, a classifier)."""
+@pytest.fixture(scope="module", params=["tokenizer.json", "spiece.model"])
+def siglip(request, tmp_path_factory) -> tuple[Path, Path]:
+    """(the folder, with either kind of tokenizer, and a repository holding it exported as `siglip`, and shapes-vit,
+    a classifier)."""
     root = tmp_path_factory.mktemp("hf-siglip")
-    save_siglip_folder(root / "siglip")
+    save_siglip_folder(root / "siglip", spiece=request.param == "spiece.model")
     export_main([str(root / "siglip"), "--out", str(root / "repository")])
     write_model(root / "repository" / "shapes-vit", ROOT / "model_repository" / "shapes-vit", "shapes-vit")
     return root / "siglip", root / "repository"
@@ -55,11 +60,15 @@ def hf_ids(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def test_the_tokenizer_gives_the_folders_own_ids_padded_to_the_context(siglip, reference):
-    tower, texts = read_text_tower(siglip[0]), probe_texts()
+    """With a spiece.model, also SiglipTokenizer's quirks: special tokens inside a text, a leading space or
+    punctuation, "▁" in the text, text that is all punctuation."""
+    tower, texts = read_text_tower(siglip[0]), probe_texts() + QUIRKS
     assert len(texts) > 250
     got = padded(token_ids(tower.tokenizer, texts), tower.pad_id, CONTEXT)
     np.testing.assert_array_equal(got, np.array(hf_ids(reference[1], texts)))
-    assert tower.pad_id == reference[1].pad_token_id != reference[1].eos_token_id
+    assert tower.pad_id == reference[1].pad_token_id
+    exported = Tokenizer.from_file(str(siglip[1] / "siglip" / "tokenizer.json"))  # as the service reads it
+    assert token_ids(exported, texts[:50]) == token_ids(tower.tokenizer, texts[:50])
 
 
 def test_the_graphs_embed_as_get_text_features_and_get_image_features(siglip, reference):
@@ -148,17 +157,26 @@ def test_maps_show_attention_poolings_query_and_rollout_is_refused(server):
     assert httpx.get(url, timeout=60).headers["content-type"] == "image/png"
 
 
+@pytest.mark.parametrize("name, content, words", [
+    ("spiece.model", b"\x0a\x05abc", "spiece.model: not a SentencePiece model"),
+    ("tokenizer_config.json", {"tokenizer_class": "T5Tokenizer"}, "tokenizer_class = 'T5Tokenizer'"),
+    ("tokenizer_config.json", {"additional_special_tokens": ["<x>"]}, "additional_special_tokens = \\['<x>'\\]"),
+])
+def test_a_spiece_model_that_cannot_be_converted_is_refused_by_name(tmp_path, name, content, words):
+    save_siglip_folder(tmp_path / "siglip", spiece=True)
+    path = tmp_path / "siglip" / name
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(json.dumps(content))
+    with pytest.raises(WeightsError, match=words):
+        read_text_tower(tmp_path / "siglip")
+
+
 @pytest.mark.parametrize("change, words", [
-    ({"remove": "tokenizer.json", "add": "spiece.model"}, "spiece.model alone"),
     ({"text_config": {"hidden_act": "gelu"}}, "text_config.hidden_act = 'gelu'"),
     ({"model_type": "siglip2"}, "model_type 'siglip2'"),
     ({"drop": "logit_bias"}, "no head.weight, logit_scale or logit_bias"),
 ])
 def test_a_siglip_folder_that_cannot_be_served_exactly_is_refused_by_name(siglip, tmp_path, change, words):
     folder = shutil.copytree(siglip[0], tmp_path / "siglip")
-    if "remove" in change:
-        (folder / change["remove"]).unlink()
-        (folder / change["add"]).write_bytes(b"\x0a\x00")
     config = json.loads((folder / "config.json").read_text())
     config["text_config"].update(change.get("text_config", {}))
     config["model_type"] = change.get("model_type", config["model_type"])
