@@ -317,5 +317,13 @@ def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: VisionTrans
     pos = out.get("pos_embed")
     prefix = 2 if "dist_token" in out else 1  # the file's own prefix tokens, whatever the model has
     if pos is not None and pos.ndim == 3 and pos.shape[1] - prefix != model.patch_embed.num_patches:
-        out["pos_embed"] = resample_pos_embed(pos, model.patch_embed.grid_size, prefix)
+        out["pos_embed"] = pos = resample_pos_embed(pos, model.patch_embed.grid_size, prefix)
+    if model.distilled and prefix == 1 and "cls_token" in out:
+        # a ViT's weights start a distilled DeiT: its distillation token, that token's position and its head begin as
+        # [CLS]'s (how the embedded shapes-deit was made: docs/attention.md)
+        out["dist_token"] = out["cls_token"].clone()
+        if pos is not None and pos.ndim == 3:
+            out["pos_embed"] = torch.cat([pos[:, :1], pos], dim=1)
+        if model.head_dist is not None:
+            out.update({f"head_dist.{k}": out[f"head.{k}"].clone() for k in ("weight", "bias") if f"head.{k}" in out})
     return out

@@ -56,9 +56,17 @@ def test_wrong_architecture_names_the_first_mismatching_key(tmp_path):
     save_file(timm_weights("deit_small_patch16_224"), tmp_path / "small.safetensors")
     with pytest.raises(WeightsError, match=r"does not fit deit_tiny_patch16_224: 'cls_token' has shape \[1, 1, 384\]"):
         load_weights(models.create_model("deit_tiny_patch16_224"), tmp_path / "small.safetensors")
+
+
+def test_a_vits_weights_start_a_distilled_deit_its_distillation_token_as_cls(tmp_path):
+    """How the embedded shapes-deit began: the distillation token, its position and its head are [CLS]'s copies."""
     save_file(timm_weights("deit_tiny_patch16_224"), tmp_path / "tiny.safetensors")
-    with pytest.raises(WeightsError, match="missing key 'dist_token'"):
-        load_weights(models.create_model("deit_tiny_distilled_patch16_224"), tmp_path / "tiny.safetensors")
+    deit = load_weights(models.create_model("deit_tiny_distilled_patch16_224"), tmp_path / "tiny.safetensors")
+    vit = load_weights(models.create_model("deit_tiny_patch16_224"), tmp_path / "tiny.safetensors")
+    assert torch.equal(deit.dist_token, vit.cls_token) and torch.equal(deit.cls_token, vit.cls_token)
+    assert torch.equal(deit.pos_embed[:, :2], vit.pos_embed[:, :1].expand(-1, 2, -1))
+    assert torch.equal(deit.pos_embed[:, 2:], vit.pos_embed[:, 1:])
+    assert torch.equal(deit.head_dist.weight, vit.head.weight) and torch.equal(deit.head_dist.bias, vit.head.bias)
 
 
 def test_other_class_count_needs_replace_head(tmp_path):
