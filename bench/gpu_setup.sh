@@ -1,12 +1,12 @@
-# Source on the GPU host, in the project root, once bench/gpu_stage.py's parts are in /root/stage (its calls put
-# them there): unpacks onnxruntime-gpu and the wheels into /tmp/site (once per host), installs wrk, and sets
-# PYTHONPATH/PATH for this shell. The staged graphs land in /tmp/gpu-stage/cache, bench/gpu_check.py's default.
+# Source on the GPU host in the staged tree, /tmp/gpu-stage/tree, once the last of bench/gpu_stage.py's calls has
+# unpacked its parts into /tmp/gpu-stage: puts onnxruntime-gpu and the wheels in /tmp/site (once per host), installs
+# wrk, and sets PYTHONPATH/PATH for this shell. The staged graphs are in /tmp/gpu-stage/cache, bench/gpu_check.py's
+# default.
 # (../shared/gpu/device-setup.sh, the staging of ../shared/gpu/stage.sh, with the project's own checks.)
 if [ ! -f /tmp/site/.ready ]; then
     (
         set -e
-        mkdir -p /tmp/site /tmp/gpu-stage
-        cat /root/stage/part* | xz -dc -T0 | tar -xf - -C /tmp/gpu-stage
+        mkdir -p /tmp/site
         mv /tmp/gpu-stage/onnxruntime /tmp/gpu-stage/onnxruntime_gpu-*.dist-info /tmp/site/
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             /tmp/gpu-stage/whl/*.whl 2>&1 | grep -v WARNING || true

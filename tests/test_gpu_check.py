@@ -72,3 +72,25 @@ def test_a_model_served_on_the_cpu_is_a_fallback_unless_it_is_the_int8_export():
               {"name": "vit-int8", "precision": "int8", "provider": CPU},
               {"name": "broken", "precision": "fp32", "provider": None}]
     assert cpu_served(models) == ["swin (fp32 on CPUExecutionProvider)", "broken (fp32 on None)"]
+
+
+def test_the_staging_carries_one_part_a_call_from_the_emptied_checkout_and_the_last_runs_the_check_in_its_tree():
+    """The tree is over a call's 64 MiB (the embedded graphs), so it travels in the parts: every call is made from
+    the emptied checkout with one part, within the tool's 2,000 characters, and the last unpacks all of them
+    before it runs the staged tree's setup and check."""
+    from gpu_stage import MAX_CALLS, REMOTE, calls, update_calls
+    parts = [f".gpu/part{i:02d}" for i in range(MAX_CALLS)]
+    steps = calls(parts, "main", "abc1234")
+    assert steps[0].startswith("here:  git switch --orphan ") and steps[-1] == "here:  git switch main"
+    device = steps[1:-1]
+    assert [step.split()[:4] for step in device] == [["call", f"{i + 1}:", "carry", f'["{part}"]']
+                                                     for i, part in enumerate(parts)]
+    assert all(len(step.split("command: ", 1)[1].rsplit("  (timeout_s", 1)[0]) <= 2000 for step in device)
+    unpack, check = device[-1].index(f"tar -xf - -C {REMOTE}"), device[-1].index(f"cd {REMOTE}/tree && source "
+                                                                                   "bench/gpu_setup.sh")
+    assert unpack < check and "GPU_CHECK_COMMIT=abc1234 python3 bench/gpu_check.py --out $OUT" in device[-1]
+    assert "cat /root/stage/part*" in device[-1] and all("/root/stage" in step for step in device)
+    rerun = update_calls(".gpu/update.tar.xz", "main", "def5678")
+    assert rerun[0].startswith("here:  git switch --orphan ") and rerun[-1] == "here:  git switch main"
+    assert f"-C {REMOTE}/tree && cd {REMOTE}/tree && source bench/gpu_setup.sh" in rerun[1]
+    assert (ROOT / "bench" / "gpu_setup.sh").read_text().count("/root/stage") == 0  # the last call unpacked them
