@@ -105,10 +105,14 @@ class Host:
         batch = [jpegs[i % len(jpegs)] for i in range(config.batch)]
         started, stop = threading.Barrier(config.threads + 1), threading.Event()
         done, failures = [0] * config.threads, []
+        # each thread's decoder, stream and last images, freed only once every thread has stopped: the H200 run of
+        # 2026-12-04 crashed, it seems, as the first thread to stop freed its decoder while another still decoded
+        # (bench/results/gpu-2026-12-04-ccf02bb-engines.txt: the faulting thread past its work, the main one joining)
+        kept: list[tuple] = [()] * config.threads
 
         def work(i: int) -> None:
             try:
-                decoder, stream = self.decoder(config), self.stream()
+                decoder, stream = kept[i] = self.decoder(config), self.stream()
                 images = run(decoder, stream, None)  # the warm-up: the engines' share fixed here
             except Exception as e:  # noqa: BLE001 - reported with the configuration
                 failures.append(e)
@@ -118,6 +122,7 @@ class Host:
             while not stop.is_set():
                 images = run(decoder, stream, images if config.reuse and None not in images else None)
                 done[i] += len(batch)
+            kept[i] = (decoder, stream, images)
 
         def run(decoder, stream, images):
             # images= only to decode into them, as the service never does (the H200 run of 2026-12-04 crashed here)
@@ -144,6 +149,7 @@ class Host:
             stop.set()
             for worker in workers:
                 worker.join()
+            kept.clear()
             self.keep_freed(False)
         return images / elapsed, used / max(images, 1) * 1e3
 

@@ -76,6 +76,36 @@ def test_every_route_answers_on_cuda_from_a_fresh_start():
                                    atol=1e-4)
 
 
+def text_answers(url: str, jpeg: bytes) -> tuple[dict[str, float], np.ndarray]:
+    """A whole CLIP's zero-shot scores of a photo over 4 labels, and its text tower's unit vectors of texts of 1 to
+    26 tokens (a batch cut to its longest: CLIP's text graph is causal)."""
+    r = httpx.post(f"{url}/classify", files={"file": ("a.jpg", jpeg)}, timeout=60,
+                   params={"model": "shapes-clip", "labels": ["red circle", "blue square", "green triangle", "cat"]})
+    assert r.status_code == 200, r.text
+    texts = ["a", "a photo of a small blue square on the left.", "red circle " * 12]
+    e = httpx.post(f"{url}/v1/embeddings", json={"model": "shapes-clip", "input": texts}, timeout=60)
+    assert e.status_code == 200, e.text
+    scores = {p["label"]: p["score"] for p in r.json()["results"][0]["predictions"]}
+    return scores, np.array([d["embedding"] for d in e.json()["data"]])
+
+
+def test_a_whole_clips_text_tower_answers_on_cuda_as_on_the_cpu(tmp_path):
+    """The text side graph on CUDA (shapes-clip's text.onnx, variable-length batches): zero-shot /classify and
+    /v1/embeddings served on CUDA within 1e-4 of the same requests served on the CPU."""
+    shutil.copytree(REPO / "shapes-clip", tmp_path / "shapes-clip")
+    jpeg = photo_bytes("chelsea", "JPEG", quality=90)
+    answers = {}
+    for device, providers in ((CUDA, None), (CPU, json.dumps([CPU]))):
+        with running_service(model_repository=tmp_path, **({"providers": providers} if providers else {})) as url:
+            (model,) = httpx.get(f"{url}/models", timeout=10).json()["models"]
+            assert model["provider"] == device, model
+            answers[device] = text_answers(url, jpeg)
+    (cuda_scores, cuda_vectors), (cpu_scores, cpu_vectors) = answers[CUDA], answers[CPU]
+    assert len(cuda_scores) == 4 and cuda_scores.keys() == cpu_scores.keys()
+    np.testing.assert_allclose([cuda_scores[k] for k in cpu_scores], list(cpu_scores.values()), atol=1e-4)
+    np.testing.assert_allclose(cuda_vectors, cpu_vectors, atol=1e-4)
+
+
 @pytest.mark.parametrize("tf32,tolerance", [(False, 1e-4), (True, 1e-2)])
 def test_cuda_runner_with_iobinding_matches_the_cpu(tf32, tolerance):
     """Without TF32 (the service's default: VITSERVE_CUDA_TF32) fp32 on CUDA gives the CPU's answers within the

@@ -170,6 +170,83 @@ def test_the_graphs_share_each_threads_decoder_and_it_first_decodes_a_full_batch
     assert len(made) == 2 and made[1].batches == [8, 1]
 
 
+FREED_WHILE_DECODING = """
+import faulthandler, sys, threading
+from pathlib import Path
+sys.path.insert(0, "tests")
+from service_process import photo_bytes
+from repository import read_entry
+from service.images.decode import upload_input
+from service.images.gpu_decode import GpuDecoder
+from nvidia import nvimgcodec
+faulthandler.enable()
+freed, Decoder = [0], nvimgcodec.Decoder
+
+
+class Counted:  # nvImageCodec's decoder, its end counted
+    def __init__(self, **kwargs):
+        self.decoder = Decoder(**kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self.decoder.decode(*args, **kwargs)
+
+    def __del__(self):
+        freed[0] += 1
+
+
+nvimgcodec.Decoder = Counted
+try:
+    import cupy
+    gpu = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:
+    gpu = False
+policy = read_entry(Path("model_repository/shapes-vit")).policy
+decoder = GpuDecoder(policy, max_batch=8, on_host=not gpu)
+jpegs, stop, decoded, failed = [photo_bytes("chelsea", "JPEG")] * 8, threading.Event(), [0], []
+
+
+def cpu(data):
+    return upload_input(data, policy, 10**8)
+
+
+def steady():
+    try:
+        while not stop.is_set():
+            failed.extend(decoder.decode(jpegs, cpu)[1].values())
+            decoded[0] += 1
+    except Exception as e:
+        failed.append(e)
+
+
+def brief():
+    failed.extend(decoder.decode(jpegs[:1], cpu)[1].values())
+
+
+steadily = threading.Thread(target=steady)
+steadily.start()
+for _ in range(6):
+    thread = threading.Thread(target=brief)
+    thread.start()
+    thread.join()
+ended = freed[0]
+stop.set()
+steadily.join()
+print("gpu" if gpu else "host", ended, decoded[0] > 0, failed)
+"""
+
+
+def test_a_thread_that_ends_frees_its_decoder_while_another_thread_decodes():
+    """A thread's decoder is its own, and freed as the thread ends (a model's inference threads, stopped), while
+    other threads' decoders decode. The engines bench crashed on an H200 where, it seems, one thread's decoder was
+    freed while another decoded (bench/results/gpu-2026-12-04-ccf02bb-engines.txt); the service must not. On the
+    GPU where CuPy sees one (so in the GPU check), else on nvImageCodec's CPU decoder; in a process of its own, so
+    that a crash is this test's failure and names its stacks."""
+    done = subprocess.run([sys.executable, "-c", FREED_WHILE_DECODING], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split()[1:] == ["6", "True", "[]"], done.stdout  # 6 decoders freed, decoding went on
+
+
 def encode_jpeg(pixels: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, format="JPEG", quality=90)
