@@ -1,11 +1,11 @@
-"""One command for a GPU host (`make gpu-check`), in one device call of at most 7 minutes: its parts in order of
-value, each in a process of its own with a time box (BOXES, 420 s together; --budget scales them), cut at its box
+"""One command for a GPU host (`make gpu-check`), in one device call of 430 s at most: its parts in order of
+value, each in a process of its own with a time box (BOXES, 430 s together; --budget scales them), cut at its box
 so that the next one runs. Every line goes at once to gpu-<date>-<commit>.txt in --out (the device's $OUT: a call
 killed at any point returns what ran), and gpu-<date>-<commit>-summary.txt is rewritten after each part: alarms
 first (a CUDA host serving on the CPU), then each part's outcome.
 
     python bench/gpu_stage.py pack                         # on the CPU host: the graphs and wheels, in parts
-    python bench/gpu_check.py --out $OUT                    # on the GPU host: 7 minutes at most
+    python bench/gpu_check.py --out $OUT                    # on the GPU host: 430 s at most
     python bench/gpu_check.py --quick --budget 60 --expect-cuda   # a rehearsal on the CPU: every part, cut short
     python bench/gpu_check.py --parts service --switches "1 decode thread" --rounds 2   # one A/B again
 
@@ -30,6 +30,8 @@ profile: py-spy (--subprocesses) on the service through one level each of /class
          process's busy threads and its busiest leaf frames.
 engines: bench/jpeg_engines.py: nvImageCodec's decode alone, configuration by configuration (issue 59's E0-E5);
          all of them take 2-3 minutes, so a full run is `--parts engines --budget 1400`.
+relevance: bench/relevance.py --parts cost: a class-specific relevance map's cost against a forward pass, at batch 1
+         and 16, for the embedded ViT, DeiT and Swin (docs/attention.md's CPU figures beside it).
 The cache's graphs travel without their weights (bench/weightless.py), and get new random ones before any part runs.
 Without CUDA the same parts run on the CPU (fp32, GPU decoding not run, test_gpu.py skipped), and the file says so;
 --expect-cuda makes that an alarm, as a GPU that nvidia-smi sees does. The commit is git's, or GPU_CHECK_COMMIT's
@@ -75,11 +77,12 @@ MODEL = "deit_tiny_patch16_224"
 # the graphs part on CUDA: the models of issue 40's targets (on the CPU, MODEL alone: batch 256 of ViT-B/16 takes
 # a minute there)
 GRAPH_MODELS = [MODEL, "swin_tiny_patch4_window7_224"]
-# each part's time box in seconds, in the order they run (the most valuable first): 420 s in all, one device call
+# each part's time box in seconds, in the order they run (the most valuable first): 430 s in all, one device call
 # that leaves a 15-minute lease room for the start, the staging and a rerun (docs/development.md#the-gpu-check)
 # (2026-12-04 on an H200, of 110/120/60/30/40/30 s: the tests 108 s, service 105, graphs 54, decode 26, census 34,
 # profile 27)
-BOXES = {"tests": 140, "service": 115, "graphs": 60, "decode": 30, "census": 35, "profile": 25, "engines": 15}
+BOXES = {"tests": 140, "service": 115, "graphs": 60, "decode": 30, "census": 35, "profile": 25, "engines": 15,
+         "relevance": 10}
 BUDGET = sum(BOXES.values())
 RESULTS = ROOT / "bench" / "results"
 ALARM = "ALARM: "  # a line a part prints for the summary's top
@@ -464,7 +467,7 @@ class Outcome:
     box_s: float
 
     def __str__(self) -> str:
-        return f"{self.name:<8} {self.status:<6} {self.seconds:5.0f} s of its {self.box_s:.0f} s box"
+        return f"{self.name:<9} {self.status:<6} {self.seconds:5.0f} s of its {self.box_s:.0f} s box"
 
 
 def run_part(report: Callable[[str], None], part: Part, alarms: list[str]) -> Outcome:
@@ -504,7 +507,7 @@ def run_parts(report: Callable[[str], None], summary: Path, head: str, parts: li
 
     def tell() -> None:
         lines = [head, *(f"{ALARM}{a}" for a in alarms), *map(str, outcomes),
-                 *(f"{p.name:<8} not run (yet)" for p in parts[len(outcomes):])]
+                 *(f"{p.name:<9} not run (yet)" for p in parts[len(outcomes):])]
         summary.write_text("\n".join(lines) + "\n")
 
     tell()
@@ -607,7 +610,8 @@ def main() -> None:
             "graphs": [python, "bench/gpu.py", "--parts", "graphs", "--models", *(GRAPH_MODELS if cuda else [MODEL]),
                        "--batches", "256", "--cache", str(args.cache), *graph_rounds],
             "decode": [python, "bench/gpu.py", "--parts", "decode", "--models", MODEL, "--cache", str(args.cache)],
-            "engines": [python, "bench/jpeg_engines.py", *(["--quick"] if args.quick else [])]}
+            "engines": [python, "bench/jpeg_engines.py", *(["--quick"] if args.quick else [])],
+            "relevance": [python, "bench/relevance.py", "--parts", "cost", *(["--cuda"] if cuda else [])]}
     argv |= {name: [python, check, "--run-part", name, *own] for name in ("service", "census", "profile")}
     scale = args.budget / sum(BOXES[name] for name in args.parts)
     parts = [Part(name, argv[name], BOXES[name] * scale) for name in BOXES if name in args.parts]

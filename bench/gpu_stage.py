@@ -125,7 +125,7 @@ def calls(parts: list[str], branch: str, commit: str) -> list[str]:
               "ls /root/stage  (timeout_s 60)" for i, part in enumerate(parts[:-1])]
     steps.append(f"call {len(parts)}: carry [\"{parts[-1]}\"]  command: mkdir -p /root/stage {REMOTE} && "
                  f"mv {parts[-1]} /root/stage/ && cat /root/stage/part* | xz -dc -T0 | tar -xf - -C {REMOTE} && "
-                 f"{check_command(commit)}  (timeout_s 480)")
+                 f"{check_command(commit)}  (timeout_s 540)")
     steps.append(f"here:  git switch {branch}")
     return steps
 

@@ -41,8 +41,8 @@ def test_a_part_past_its_box_is_cut_with_its_children_the_next_runs_and_the_summ
         time.sleep(0.05)
     # what the second part read: the summary as the first part's end left it
     told = report[next(i for i, line in enumerate(report) if "== reads" in line) + 2:]
-    assert told[0] == "the check" and told[1].startswith("sleeps   CUT") and "of its 2 s box" in told[1]
-    assert told[2] == "reads    not run (yet)" and told[3] == "alarms   not run (yet)"
+    assert told[0] == "the check" and told[1].startswith("sleeps    CUT") and "of its 2 s box" in told[1]
+    assert told[2] == "reads     not run (yet)" and told[3] == "alarms    not run (yet)"
     final = summary.read_text().splitlines()
     assert final[:2] == ["the check", f"{ALARM}alarms: served on the CPU"]
     assert [line.split()[:2] for line in final[2:]] == [["sleeps", "CUT"], ["reads", "ok"], ["alarms", "FAILED"]]
