@@ -274,6 +274,32 @@ def test_jpegs_decoded_on_the_gpu_answer_as_pillow_decoded_ones():
     assert np.abs(gpu - cpu).max() < 0.5
 
 
+@pytest.mark.parametrize("short,resize_to", [(224, (224, 224)), (288, (256, 288))])
+def test_the_gpu_decoders_exact_resizes_are_pillows_of_the_same_jpegs(short, resize_to):
+    """Hugging Face's exact resizes (resize_to: a squash to (H, W), then the crop) on the device: the GPU decoder's
+    CuPy matrices against Pillow's full decode and resize_and_crop. Its numpy twin is within one level of Pillow on
+    decoded pixels (tests/test_gpu_decode.py); here nvJPEG's decode differs from libjpeg-turbo's as well."""
+    pytest.importorskip("cupy", reason="GPU decoding needs CuPy (the `gpu` extra)")
+    pytest.importorskip("nvidia.nvimgcodec", reason="GPU decoding needs nvImageCodec (the `gpu` extra)")
+    import io
+
+    from PIL import Image
+
+    from repository import InputPolicy
+    from service.images.decode import resize_and_crop
+    from service.images.gpu_decode import GpuDecoder
+
+    policy = InputPolicy((224, 224), short, "bicubic", (0.5,) * 3, (0.5,) * 3, resize_to)
+    jpegs = [photo_bytes(name, "JPEG", quality=90) for name in ("astronaut", "chelsea", "coffee", "rocket")]
+    decoded, errors = GpuDecoder(policy).decode(jpegs, lambda data: None)
+    want = np.stack([np.asarray(resize_and_crop(Image.open(io.BytesIO(data)).convert("RGB"), policy))
+                     for data in jpegs]).astype(int)
+    difference = np.abs(decoded.get().astype(int) - want)
+    print(f"resize_to {resize_to}: GPU vs Pillow pixels, mean |diff| {difference.mean():.2f}, "
+          f"99th percentile {np.percentile(difference, 99):.0f}, max {difference.max()}")
+    assert errors == {} and decoded.shape == (4, 224, 224, 3) and difference.mean() < 2
+
+
 def test_awkward_jpegs_on_the_gpu_come_out_as_the_cpu_path_makes_them_and_a_cut_one_is_refused():
     """Progressive, grayscale, CMYK and EXIF-rotated JPEGs beside a truncated one, in one batch on the device."""
     pytest.importorskip("cupy", reason="GPU decoding needs CuPy (the `gpu` extra)")
