@@ -51,9 +51,10 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 # On a GPU host (docs/development.md#the-gpu-check): the CUDA tests, the service under wrk, the graphs, decoding, a
-# census, a profile, the JPEG engines and the relevance maps' cost, each part in its time box (430 s in all), into bench/results/ (GPU_CHECK_OUT
-# elsewhere: the device's $OUT). No venv there and no package index: python3 with the PYTHONPATH that
-# bench/gpu_setup.sh sets, from the parts bench/gpu_stage.py packed here. Its stderr too goes to stdout.
+# census, a profile, an op profile, the JPEG engines and the relevance maps' cost, each part in its time box (470 s
+# in all), into bench/results/ (GPU_CHECK_OUT elsewhere: the device's $OUT). No venv there and no package index:
+# python3 with the PYTHONPATH that bench/gpu_setup.sh sets, from the parts bench/gpu_stage.py packed here. Its
+# stderr too goes to stdout.
 GPU_CHECK_OUT ?= bench/results
 gpu-check:
 	$(PYTHON) bench/gpu_check.py --out $(GPU_CHECK_OUT) 2>&1

@@ -1,11 +1,11 @@
-"""One command for a GPU host (`make gpu-check`), in one device call of 430 s at most: its parts in order of
-value, each in a process of its own with a time box (BOXES, 430 s together; --budget scales them), cut at its box
+"""One command for a GPU host (`make gpu-check`), in one device call of 470 s at most: its parts in order of
+value, each in a process of its own with a time box (BOXES, 470 s together; --budget scales them), cut at its box
 so that the next one runs. Every line goes at once to gpu-<date>-<commit>.txt in --out (the device's $OUT: a call
 killed at any point returns what ran), and gpu-<date>-<commit>-summary.txt is rewritten after each part: alarms
 first (a CUDA host serving on the CPU), then each part's outcome.
 
     python bench/gpu_stage.py pack                         # on the CPU host: the graphs and wheels, in parts
-    python bench/gpu_check.py --out $OUT                    # on the GPU host: 430 s at most
+    python bench/gpu_check.py --out $OUT                    # on the GPU host: 470 s at most
     python bench/gpu_check.py --quick --budget 60 --expect-cuda   # a rehearsal on the CPU: every part, cut short
     python bench/gpu_check.py --parts service --switches "1 decode thread" --rounds 2   # one A/B again
 
@@ -16,8 +16,8 @@ service: `python -m service` (the backend it picks: process on CUDA) serving Dei
          GPU's utilisation (NVML), the host's busy cores (/proc/stat: wrk's included) and the CPU ms per image of the
          HTTP workers, the inference process, wrk and the whole host. /classify with 1 and 8 JPEGs (the 451 x 300
          chelsea photo) and with a 12 MP phone photo at each of --switches against the default, interleaved
-         (schedule): by default GPU decoding through the decode router, and every JPEG to the GPU. On a CUDA host a
-         model served on the CPU is an alarm.
+         (schedule): by default GPU decoding through the decode router, every JPEG to the GPU, and every request
+         traced (OTLP to a receiver here that counts the spans). On a CUDA host a model served on the CPU is an alarm.
 graphs:  bench/gpu.py --parts graphs --models GRAPH_MODELS --batches 256: DeiT-Ti, then Swin-T (DeiT-Ti alone on
          the CPU), ORT fp16 against torch and torch.compile. It exports nothing on a host whose torch cannot: a
          missing graph stops it with the command that makes it.
@@ -28,6 +28,8 @@ census:  the service at the default settings: /classify with 1 and 8 JPEGs and /
          softirq, context switches and interrupts).
 profile: py-spy (--subprocesses) on the service through one level each of /classify 1 JPEG and /v2 8 images: each
          process's busy threads and its busiest leaf frames.
+ops:     bench/op_profile.py: ONNX Runtime's profiler on Swin-T in fp16 at batch 256 (DeiT-Ti fp32 at batch 8 on the
+         CPU), its kernels launched blocking: the nodes' time by op type, and the costliest nodes.
 engines: bench/jpeg_engines.py: nvImageCodec's decode alone, configuration by configuration (issue 59's E0-E5);
          all of them take 2-3 minutes, so a full run is `--parts engines --budget 1400`.
 relevance: bench/relevance.py --parts cost: a class-specific relevance map's cost against a forward pass, at batch 1
@@ -67,7 +69,7 @@ import wrk  # noqa: E402
 from jpegs import phone_photo  # noqa: E402
 from process_cost import INFERENCE, WORKERS, supervisor_pid  # noqa: E402
 from service_overhead import decode_cpu_ms  # noqa: E402
-from service_process import model_pixels, photo_bytes, running_service  # noqa: E402
+from service_process import model_pixels, otlp_receiver, photo_bytes, running_service  # noqa: E402
 from weightless import refill_all, strip_all  # noqa: E402
 
 from repository import read_entry  # noqa: E402
@@ -77,12 +79,12 @@ MODEL = "deit_tiny_patch16_224"
 # the graphs part on CUDA: the models of issue 40's targets (on the CPU, MODEL alone: batch 256 of ViT-B/16 takes
 # a minute there)
 GRAPH_MODELS = [MODEL, "swin_tiny_patch4_window7_224"]
-# each part's time box in seconds, in the order they run (the most valuable first): 430 s in all, one device call
+# each part's time box in seconds, in the order they run (the most valuable first): 470 s in all, one device call
 # that leaves a 15-minute lease room for the start, the staging and a rerun (docs/development.md#the-gpu-check)
 # (2026-12-04 on an H200, of 110/120/60/30/40/30 s: the tests 108 s, service 105, graphs 54, decode 26, census 34,
 # profile 27)
-BOXES = {"tests": 140, "service": 115, "graphs": 60, "decode": 30, "census": 35, "profile": 25, "engines": 15,
-         "relevance": 10}
+BOXES = {"tests": 140, "service": 140, "graphs": 60, "decode": 30, "census": 35, "profile": 25, "ops": 15,
+         "engines": 15, "relevance": 10}
 BUDGET = sum(BOXES.values())
 RESULTS = ROOT / "bench" / "results"
 ALARM = "ALARM: "  # a line a part prints for the summary's top
@@ -216,11 +218,30 @@ SWITCHES = {"default": {}, "CUDA blocking sync": {"cuda_blocking_sync": True}, "
             "1 decode thread": {"decode_threads": 1}, "2 decode threads": {"decode_threads": 2},
             "GPU decoding": {"gpu_decode": True},  # the decode router: the CPU decodes what the GPU's queue can't take
             "GPU decoding, every JPEG": {"gpu_decode": True, "gpu_decode_queue_batches": 10**6},
-            "max batch 64": {"max_batch_size": 64}}
+            "max batch 64": {"max_batch_size": 64}, "traces": {}}  # traces: OTEL_* variables (traces_exported)
 GPU_ONLY = ("GPU decoding", "GPU decoding, every JPEG", "CUDA blocking sync")  # not run without CUDA
-SERVICE_SWITCHES = ["GPU decoding", "GPU decoding, every JPEG"]  # the service part's, by default
+SERVICE_SWITCHES = ["GPU decoding", "GPU decoding, every JPEG", "traces"]  # the service part's, by default
 SERVICE_LEVELS = ["/classify 1 JPEG", "/classify 8 JPEG", "/classify 12 MP"]
 CENSUS_LEVELS = ["/classify 1 JPEG", "/classify 8 JPEG", "/v2 UINT8 1 img"]  # with a census each, at the default
+
+
+@contextmanager
+def traces_exported(on: bool) -> Iterator[list[int] | None]:
+    """With `on`, a service started inside traces every request (OpenTelemetry's defaults: every one sampled, the
+    batch span processor's queue and delays) to an OTLP receiver here that counts what it gets, each export's
+    count in the list: the traces' cost under load, spans dropped by a full queue included (issue 77)."""
+    if not on:
+        yield None
+        return
+    names = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT")
+    saved = {name: os.environ.get(name) for name in names}
+    with otlp_receiver(keep=False) as (endpoint, counts):
+        os.environ.update(dict(zip(names, ("otlp", endpoint))))
+        try:
+            yield counts
+        finally:
+            for name, value in saved.items():
+                os.environ.pop(name) if value is None else os.environ.update({name: value})
 
 
 def schedule(switches: list[str], rounds: int = 1) -> list[str]:
@@ -345,13 +366,16 @@ def service(report: Callable[[str], None], cache: Path, cuda: bool, cuda_host: b
     with repository_of(folders) as repo:
         for switch in schedule(switches, rounds):
             report(f"\n{switch} {SWITCHES[switch] or ''}:")
-            with started(report, repo, cuda_host, **SWITCHES[switch]) as (url, supervisor):
-                report(HEADER)
-                for label in SERVICE_LEVELS:
-                    m = measured(report, url, supervisor, requests[label], label, clients, seconds)
-                    failed += m is None
-                    if m is not None:
-                        runs.setdefault((switch, label), []).append(m)
+            with traces_exported(switch == "traces") as spans:
+                with started(report, repo, cuda_host, **SWITCHES[switch]) as (url, supervisor):
+                    report(HEADER)
+                    for label in SERVICE_LEVELS:
+                        m = measured(report, url, supervisor, requests[label], label, clients, seconds)
+                        failed += m is None
+                        if m is not None:
+                            runs.setdefault((switch, label), []).append(m)
+                if spans is not None:  # the service stopped: what it had queued is exported
+                    report(f"{sum(spans):,} spans received by the OTLP receiver")
     for label in SERVICE_LEVELS:
         if not (default := runs.get(("default", label))):
             continue
@@ -610,6 +634,9 @@ def main() -> None:
             "graphs": [python, "bench/gpu.py", "--parts", "graphs", "--models", *(GRAPH_MODELS if cuda else [MODEL]),
                        "--batches", "256", "--cache", str(args.cache), *graph_rounds],
             "decode": [python, "bench/gpu.py", "--parts", "decode", "--models", MODEL, "--cache", str(args.cache)],
+            "ops": [python, "bench/op_profile.py", *(
+                [str(args.cache / f"{GRAPH_MODELS[1]}-fp16"), "--batch", "256", "--cuda"] if cuda
+                else [str(args.cache / MODEL), "--batch", "8"])],
             "engines": [python, "bench/jpeg_engines.py", *(["--quick"] if args.quick else [])],
             "relevance": [python, "bench/relevance.py", "--parts", "cost", *(["--cuda"] if cuda else [])]}
     argv |= {name: [python, check, "--run-part", name, *own] for name in ("service", "census", "profile")}

@@ -41,7 +41,11 @@ WHEELS = ["fastapi", "starlette", "pydantic", "pydantic-core", "pydantic-setting
           "typing-inspection", "annotated-doc", "uvicorn", "httptools", "python-multipart", "jsonschema",
           "jsonschema-specifications", "referencing", "rpds-py", "fastapi-offline", "grpcio", "protobuf",
           "prometheus-client", "opentelemetry-api", "py-spy", "nvidia-nvimgcodec-cu13", "nvidia-nvjpeg", "pi-heif",
-          "simplejpeg"]
+          "simplejpeg",
+          # the tracing extra, for the service part's traces switch (the host has requests)
+          "opentelemetry-sdk", "opentelemetry-semantic-conventions", "opentelemetry-exporter-otlp-proto-http",
+          "opentelemetry-exporter-http-transport", "opentelemetry-exporter-otlp-common",
+          "opentelemetry-exporter-otlp-proto-common", "opentelemetry-proto", "googleapis-common-protos"]
 ORT_LEFT_OUT = ("onnxruntime/capi/libonnxruntime_providers_tensorrt.so", "onnxruntime/capi/libonnxruntime.so.")
 # the GPU hosts' Python (../shared/gpu/README.md)
 PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"] + [

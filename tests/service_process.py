@@ -1,4 +1,5 @@
 """Start the real service (`python -m service`) on a free loopback port, for end-to-end tests."""
+import gzip
 import io
 import json
 import os
@@ -9,9 +10,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO
 
@@ -388,3 +391,40 @@ def metric(text: str, name: str, **labels) -> float:
         if match and ",".join(sorted(match.group(1).split(",")) if match.group(1) else []) == want:
             return float(match.group(2))
     return 0.0
+
+
+@contextmanager
+def otlp_receiver(keep: bool = True) -> Iterator[tuple[str, list]]:
+    """(endpoint, spans received so far): POST /v1/traces, as an OpenTelemetry collector takes it (the tracing
+    tests). Without `keep`, each export's count of spans in their place (the GPU check's traces under load)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
+                                                                          ExportTraceServiceResponse)
+    spans: list = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+            request = ExportTraceServiceRequest.FromString(body)
+            scopes = [scope for resource in request.resource_spans for scope in resource.scope_spans]
+            if keep:
+                spans.extend(span for scope in scopes for span in scope.spans)
+            else:
+                spans.append(sum(len(scope.spans) for scope in scopes))
+            answer = ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", spans
+    finally:
+        server.shutdown()

@@ -94,3 +94,18 @@ def test_the_staging_carries_one_part_a_call_from_the_emptied_checkout_and_the_l
     assert rerun[0].startswith("here:  git switch --orphan ") and rerun[-1] == "here:  git switch main"
     assert f"-C {REMOTE}/tree && cd {REMOTE}/tree && source bench/gpu_setup.sh" in rerun[1]
     assert (ROOT / "bench" / "gpu_setup.sh").read_text().count("/root/stage") == 0  # the last call unpacked them
+
+
+def test_the_op_profile_counts_each_profiled_run_once_and_its_op_types_add_up_to_its_nodes():
+    """bench/op_profile.py (the check's ops part) on the embedded Swin: the warm-up runs left out, every node once
+    a run, the op types' times the nodes' sum, the export's fused attention among them."""
+    from op_profile import by_node, by_op_type, profile, profiled_runs
+    events = profile(ROOT / "model_repository" / "shapes-swin", batch=2, runs=3, cuda=False)
+    nodes, walls = profiled_runs(events, 3)
+    per_run = len({e["name"] for e in nodes})
+    assert len(walls) == 3 and len(nodes) == 3 * per_run > 100
+    assert len(profiled_runs(events, 5)[0]) == 5 * per_run  # the 2 warm-up runs are there too, and left out above
+    types, each = by_op_type(nodes, 3), by_node(nodes, 3)
+    assert sum(count for _, count, _ in types) == len(each) == per_run
+    assert abs(sum(ms for *_, ms in types) - sum(ms for *_, ms in each)) < 1e-6
+    assert "Attention (CPU)" in {op for op, *_ in types}

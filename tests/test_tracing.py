@@ -2,53 +2,16 @@
 on loopback that this test starts and that decodes what it gets with opentelemetry-proto: the caller's trace goes on
 through the request's span, its decode, its wait in the queue and the batch that ran it (made in the inference
 process under the process backend)."""
-import gzip
 import socket
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 import tritonclient.grpc as triton_grpc
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                      ExportTraceServiceResponse)
-from service_process import ROOT, free_port, model_pixels, photo_bytes, running_service, service_and_process
+from service_process import (ROOT, free_port, model_pixels, otlp_receiver, photo_bytes, running_service,
+                             service_and_process)
 
 CALLER_TRACE, CALLER_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
-
-
-@contextmanager
-def otlp_receiver() -> Iterator[tuple[str, list]]:
-    """(endpoint, spans received so far): POST /v1/traces, as an OpenTelemetry collector takes it."""
-    spans: list = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            if self.headers.get("Content-Encoding") == "gzip":
-                body = gzip.decompress(body)
-            request = ExportTraceServiceRequest.FromString(body)
-            spans.extend(span for resource in request.resource_spans for scope in resource.scope_spans
-                         for span in scope.spans)
-            answer = ExportTraceServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", spans
-    finally:
-        server.shutdown()
 
 
 def spans_of(spans: list, trace: str, names: set[str], timeout_s: float = 60) -> dict:
