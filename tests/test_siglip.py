@@ -107,7 +107,11 @@ def test_the_manifest_says_sigmoid_with_the_folders_scale_and_bias(siglip, refer
 
 @pytest.fixture(scope="module")
 def server(siglip) -> str:
-    with service_and_process(model_repository=siglip[1], default_model="siglip", max_queue_delay_ms=20) as (url, _):
+    """The service on the repository, under the process backend for the spiece.model folder and the thread backend
+    for the other: every route under both backends, with no start more."""
+    backend = "process" if (siglip[0] / "spiece.model").is_file() else "thread"
+    with service_and_process(model_repository=siglip[1], default_model="siglip", max_queue_delay_ms=20,
+                             backend=backend) as (url, _):
         yield url
 
 
