@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from service_process import (ROOT, direct_probabilities, every_worker_on, free_port, holders, metric, model_pixels,
                              photo_bytes, role_pids, rows_on, run_graph, running_service, service_and_process,
-                             service_env, sockets_on, wait_for, workers_on)
+                             service_env, sockets_on, wait_for, workers_on, write_model)
 
 from service.engine.backends import wire
 from service.engine.backends.process import ProcessBackend
@@ -414,10 +414,11 @@ def test_more_images_than_the_queue_holds_get_413_and_bad_input_a_clear_4xx(url)
 
 
 @pytest.mark.parametrize("backend", ["thread", "process"])
-def test_ready_only_after_warm_up_and_sigterm_finishes_every_accepted_request(backend):
+def test_ready_only_after_warm_up_and_sigterm_finishes_every_accepted_request(backend, tmp_path):
     grpc_port = free_port()
-    with service_and_process(wait_ready=False, backend=backend, workers=2, warmup_runs=40, max_batch_size=4,
-                             grpc_port=grpc_port) as (base, proc):
+    write_model(tmp_path / "shapes-deit", REPO / "shapes-deit", "shapes-deit")  # its long warm-up alone is enough
+    with service_and_process(model_repository=tmp_path, wait_ready=False, backend=backend, workers=2,
+                             warmup_runs=150, max_batch_size=4, grpc_port=grpc_port) as (base, proc):
         early = httpx.get(f"{base}/health/ready")
         assert early.status_code == 503 and early.json()["error"]["code"] == "not_ready"
         wait_for(base, "/health/ready", proc)

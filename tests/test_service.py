@@ -15,7 +15,7 @@ import pytest
 import tritonclient.http as triton
 from PIL import Image
 from service_process import (ROOT, direct_probabilities, metric, model_pixels, photo_bytes, process_metrics,
-                             running_service)
+                             running_service, write_model)
 
 from skimage import data as photos
 
@@ -260,8 +260,9 @@ def test_openapi_docs_describe_the_routes_and_load_nothing_from_elsewhere(url):
             assert "version_" not in {p["name"] for p in params if p["in"] == "query"}, path
 
 
-def test_readiness_waits_for_warm_up_and_more_images_than_the_queue_holds_get_413():
-    with running_service(wait_ready=False, warmup_runs=60, queue_limit=2) as base:
+def test_readiness_waits_for_warm_up_and_more_images_than_the_queue_holds_get_413(tmp_path):
+    write_model(tmp_path / "shapes-vit", REPO / "shapes-vit", "shapes-vit")  # one model's long warm-up is enough
+    with running_service(model_repository=tmp_path, wait_ready=False, warmup_runs=60, queue_limit=2) as base:
         early = httpx.get(f"{base}/health/ready")
         assert early.status_code == 503 and early.headers["Retry-After"] == "1"
         assert early.json()["error"]["code"] == "not_ready"
