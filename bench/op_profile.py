@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,25 +36,25 @@ def profiled_runs(events: list[dict], runs: int) -> tuple[list[dict], list[float
     return nodes, [(end - start) / 1e3 for start, end in windows]
 
 
-def by_op_type(nodes: list[dict], runs: int) -> list[tuple[str, int, float]]:
-    """(op type and where it ran, nodes of it in one run, ms per run), the costliest first: a node the CUDA
-    provider cannot run falls back to the CPU, with copies either side."""
+def summed(nodes: list[dict], runs: int, key: Callable[[dict], tuple]) -> list[tuple[tuple, int, float]]:
+    """(key, nodes of it in one run, ms per run) for each key of the nodes, the costliest first."""
     ms, count = defaultdict(float), defaultdict(int)
     for e in nodes:
-        op = f"{e['args']['op_name']} ({e['args'].get('provider', '?').removesuffix('ExecutionProvider')})"
-        ms[op] += e["dur"] / 1e3 / runs
-        count[op] += 1
-    return sorted(((op, count[op] // runs, ms[op]) for op in ms), key=lambda row: -row[2])
+        ms[key(e)] += e["dur"] / 1e3 / runs
+        count[key(e)] += 1
+    return sorted(((k, count[k] // runs, ms[k]) for k in ms), key=lambda row: -row[2])
 
 
-def by_node(nodes: list[dict], runs: int) -> list[tuple[str, str, float]]:
-    """(node, op type, ms per run), the costliest first."""
-    ms, ops = defaultdict(float), {}
-    for e in nodes:
-        name = e["name"].removesuffix(KERNEL)
-        ms[name] += e["dur"] / 1e3 / runs
-        ops[name] = e["args"]["op_name"]
-    return sorted(((name, ops[name], ms[name]) for name in ms), key=lambda row: -row[2])
+def by_op_type(nodes: list[dict], runs: int) -> list[tuple[tuple[str, str], int, float]]:
+    """((op type, where it ran), nodes of it in one run, ms per run): a node the CUDA provider cannot run falls back
+    to the CPU, with copies either side."""
+    return summed(nodes, runs, lambda e: (e["args"]["op_name"],
+                                          e["args"].get("provider", "?").removesuffix("ExecutionProvider")))
+
+
+def by_node(nodes: list[dict], runs: int) -> list[tuple[tuple[str, str], int, float]]:
+    """((node, op type), 1, ms per run)."""
+    return summed(nodes, runs, lambda e: (e["name"].removesuffix(KERNEL), e["args"]["op_name"]))
 
 
 def profile(folder: Path, batch: int, runs: int, cuda: bool) -> list[dict]:
@@ -98,10 +99,10 @@ def main() -> None:
           f"{total:.2f} ms of node time a run over {len(nodes) // args.runs} nodes; a profiled run's wall time "
           f"{np.median(walls):.2f} ms (median of {len(walls)})")
     print("by op type: op (provider), nodes, ms a run, share")
-    for op, count, ms in by_op_type(nodes, args.runs):
-        print(f"  {op:<36} {count:>4} {ms:>9.3f} {ms / total:>6.1%}")
+    for (op, where), count, ms in by_op_type(nodes, args.runs):
+        print(f"  {f'{op} ({where})':<36} {count:>4} {ms:>9.3f} {ms / total:>6.1%}")
     print(f"the {args.top} costliest nodes: node, op, ms a run, share")
-    for name, op, ms in by_node(nodes, args.runs)[:args.top]:
+    for (name, op), _, ms in by_node(nodes, args.runs)[:args.top]:
         print(f"  {name[:60]:<60} {op:<24} {ms:>8.3f} {ms / total:>6.1%}")
 
 
